@@ -1,0 +1,110 @@
+"""A frozen base model with adapter banks injected into its target linears.
+
+`AdaptedModel` owns the wrapped layers, the bank sets over them (e.g. one for training and one
+for sampling, sharing the same base weights) and the routing scope. Running a forward means
+choosing a bank set and a slot per token:
+
+    with adapted.routing("train", slot_ids):
+        logits = adapted.model(input_ids).logits
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from lorafleet.model.banks import BankError, BankSet, LoRALinear
+from lorafleet.model.kernels import KERNELS, KernelName
+from lorafleet.model.routing import Routing, RoutingError, RoutingScope, build_routing
+from lorafleet.model.targets import TargetError, linear_layers
+
+
+class AdaptedModel:
+    """Base model + wrapped layers + named bank sets. Knows nothing of tenants or HTTP."""
+
+    def __init__(self, model: nn.Module, layer_paths: Sequence[str], *, kernel: KernelName = "auto"):
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+        if not layer_paths:
+            raise TargetError("no layer to adapt: layer_paths is empty")
+        self.model = model
+        self.scope = RoutingScope()
+        self.banks: dict[str, BankSet] = {}
+        linears = linear_layers(model)
+        self.layers: dict[str, LoRALinear] = {}
+        for path in sorted(set(layer_paths)):
+            if path not in linears:
+                raise TargetError(f"{path!r} is not a linear layer that can carry LoRA")
+            parent_path, _, child_name = path.rpartition(".")
+            parent = model.get_submodule(parent_path) if parent_path else model
+            base = getattr(parent, child_name)
+            wrapper = LoRALinear(base, path, self.scope, kernel)
+            setattr(parent, child_name, wrapper)
+            self.layers[path] = wrapper
+        for param in model.parameters():
+            param.requires_grad_(False)
+
+    @property
+    def kernel(self) -> str:
+        return next(iter(self.layers.values())).kernel
+
+    def set_kernel(self, kernel: KernelName) -> None:
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+        for layer in self.layers.values():
+            layer.kernel = kernel
+
+    def add_bank(
+        self,
+        name: str,
+        *,
+        num_slots: int,
+        r_max: int,
+        trainable: bool = True,
+        layer_paths: Sequence[str] | None = None,
+    ) -> BankSet:
+        if name in self.banks:
+            raise BankError(f"bank set {name!r} already exists")
+        paths = list(self.layers) if layer_paths is None else list(layer_paths)
+        unknown = [p for p in paths if p not in self.layers]
+        if unknown:
+            raise BankError(f"bank {name!r}: layers {unknown[:5]} are not wrapped")
+        bank = BankSet.create(
+            name,
+            {p: self.layers[p] for p in paths},
+            num_slots=num_slots,
+            r_max=r_max,
+            trainable=trainable,
+        )
+        self.banks[name] = bank
+        return bank
+
+    def bank(self, name: str) -> BankSet:
+        try:
+            return self.banks[name]
+        except KeyError:
+            raise BankError(f"no bank set named {name!r} (have {sorted(self.banks)})") from None
+
+    def make_routing(self, bank: str, slot_ids: torch.Tensor) -> Routing:
+        bank_set = self.bank(bank)
+        if not isinstance(slot_ids, torch.Tensor):
+            raise RoutingError(f"slot_ids must be a torch.Tensor, got {type(slot_ids).__name__}")
+        if slot_ids.device != bank_set.params.device:
+            raise RoutingError(
+                f"slot_ids are on device {slot_ids.device} but bank {bank!r} is on {bank_set.params.device}"
+            )
+        routing = build_routing(slot_ids, bank_set.scales, bank=bank)
+        for slot in routing.active_slots():
+            if bank_set.slots[slot] is None:
+                raise RoutingError(f"routing uses slot {slot}, which holds no adapter in bank {bank!r}")
+        return routing
+
+    @contextmanager
+    def routing(self, bank: str, slot_ids: torch.Tensor) -> Iterator[Routing]:
+        """Forwards inside this scope route token t through slot slot_ids[t] of `bank`."""
+        routing = self.make_routing(bank, slot_ids)
+        with self.scope.use(routing):
+            yield routing

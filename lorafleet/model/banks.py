@@ -1,0 +1,370 @@
+"""Adapter banks: per-slot LoRA A/B for every targeted linear of one frozen base model.
+
+A `BankSet` is one named family of slots (e.g. "train" or "sample") spanning all wrapped layers.
+All of its values live in one flat fp32 tensor `params[slots, P]` (and `grads[slots, P]`): slot
+s's row is every A and B of the adapter in slot s. Each layer's `A[slots, r_max, in]` and
+`B[slots, out, r_max]` are views into it. One row per adapter makes the optimizer one vectorised
+update over selected rows, and checkpoints/sync one contiguous copy.
+
+Heterogeneous ranks share a bank: slot s uses the first `rank[s]` rows of A and columns of B.
+The rest start at zero and stay exactly zero (their gradients are zero because the matching
+A rows and B columns are zero), so no mask is needed in the hot path; `load_slot_weights` keeps
+it that way for imported weights.
+
+The bank values are not registered as parameters of the HF model: `model.parameters()` is the
+frozen base only, and `BankSet.params` is the one obvious answer to "what is trainable".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import nn
+
+from lorafleet.model.kernels import KernelName, apply_lora
+from lorafleet.model.routing import BASE_SLOT, RoutingError, RoutingScope
+
+# Bank parameters are row-slices of the flat [slots, P] buffer, so their gradients (views of
+# the flat gradient buffer) are strided by design. Autograd accumulates into them in place, which
+# is exactly what we want; its notice about the layout contract is expected here.
+warnings.filterwarnings("ignore", message="grad and param do not obey the gradient layout contract")
+
+_ALIGN = 8  # elements; keeps every view 32-byte aligned, as grouped_mm needs 16-byte strides
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+class BankError(ValueError):
+    """A bank operation with arguments that cannot be honoured (slot, rank, shapes)."""
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """What defines one adapter's structure and initialisation (its signature, plus the seed)."""
+
+    rank: int
+    alpha: float
+    use_rslora: bool = False
+    seed: int = 0
+    targets: tuple[str, ...] | None = None  # module paths; None = every layer of the bank
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / math.sqrt(self.rank) if self.use_rslora else self.alpha / self.rank
+
+    def validate(self) -> None:
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
+            raise BankError(f"rank must be a positive integer, got {self.rank!r}")
+        if not math.isfinite(float(self.alpha)) or self.alpha <= 0:
+            raise BankError(f"alpha must be a positive finite number, got {self.alpha!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise BankError(f"seed must be an integer, got {self.seed!r}")
+
+
+def init_seed(adapter_seed: int, module_path: str, which: str) -> int:
+    """Per-(adapter, layer) RNG seed: an adapter initialises identically in any slot and any
+    process, and adding a layer elsewhere does not shift its random stream."""
+    digest = hashlib.sha256(f"{adapter_seed}|{module_path}|{which}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def kaiming_uniform_A(rank: int, fan_in: int, seed: int) -> torch.Tensor:
+    """PEFT's default A init (kaiming_uniform with a=sqrt(5)): U(-1/sqrt(fan_in), 1/sqrt(fan_in)),
+    fan_in being the full layer's input width, never a shard's."""
+    bound = 1.0 / math.sqrt(fan_in)
+    gen = torch.Generator().manual_seed(seed)
+    return torch.empty(rank, fan_in).uniform_(-bound, bound, generator=gen)
+
+
+@dataclass
+class LayerBank:
+    """One bank set's A/B views for one wrapped layer."""
+
+    A: nn.Parameter  # [slots, r_max, in]
+    B: nn.Parameter  # [slots, out, r_max]
+    a_span: tuple[int, int]  # column span of A in the flat row
+    b_span: tuple[int, int]
+
+
+class LoRALinear(nn.Module):
+    """A frozen nn.Linear plus the LoRA banks of every bank set that targets it.
+
+    The routing (which slot each token uses, and which bank set) comes from the model's
+    `RoutingScope`, set by whoever runs the forward.
+    """
+
+    def __init__(self, base_layer: nn.Linear, path: str, scope: RoutingScope, kernel: KernelName = "auto"):
+        super().__init__()
+        self.base_layer = base_layer
+        self.path = path
+        self.kernel: KernelName = kernel
+        self._scope = scope
+        self._banks: dict[str, LayerBank] = {}
+
+    @property
+    def in_features(self) -> int:
+        return self.base_layer.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.base_layer.out_features
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The frozen base weight (HF code reads `lm_head.weight`, e.g. for tied embeddings)."""
+        return self.base_layer.weight
+
+    def attach(self, bank: str, layer_bank: LayerBank) -> None:
+        if bank in self._banks:
+            raise BankError(f"layer {self.path!r} already has a bank named {bank!r}")
+        self._banks[bank] = layer_bank
+
+    def bank(self, name: str) -> LayerBank | None:
+        return self._banks.get(name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base_layer(x)
+        routing = self._scope.current(self.path)
+        layer_bank = self._banks.get(routing.bank)
+        if layer_bank is None:
+            # This bank set does not target this layer: its adapters leave it as the base.
+            return out
+        flat_out = apply_lora(
+            out.reshape(-1, self.out_features),
+            x.reshape(-1, self.in_features),
+            layer_bank.A,
+            layer_bank.B,
+            routing,
+            self.kernel,
+        )
+        return flat_out.view_as(out)
+
+    def extra_repr(self) -> str:
+        return f"path={self.path!r}, banks={sorted(self._banks)}"
+
+
+@dataclass
+class SlotInfo:
+    spec: AdapterSpec
+    targets: tuple[str, ...]  # resolved module paths this adapter trains
+
+
+@dataclass
+class BankSet:
+    """One family of adapter slots across a fixed set of layers."""
+
+    name: str
+    layers: dict[str, LoRALinear]
+    num_slots: int
+    r_max: int
+    params: torch.Tensor  # fp32 [slots, P]
+    grads: torch.Tensor | None  # fp32 [slots, P], None for inference-only banks
+    layer_banks: dict[str, LayerBank]
+    slots: list[SlotInfo | None] = field(default_factory=list)
+    scales: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+
+    @classmethod
+    def create(
+        cls,
+        name: str,
+        layers: Mapping[str, LoRALinear],
+        *,
+        num_slots: int,
+        r_max: int,
+        trainable: bool = True,
+        device: torch.device | str | None = None,
+    ) -> BankSet:
+        if not isinstance(num_slots, int) or num_slots < 2:
+            raise BankError(f"num_slots must be >= 2 (slot 0 is the base model), got {num_slots!r}")
+        if not isinstance(r_max, int) or r_max < 1:
+            raise BankError(f"r_max must be a positive integer, got {r_max!r}")
+        if not layers:
+            raise BankError(f"bank {name!r} targets no layer")
+        r_store = _round_up(r_max, _ALIGN)
+        spans: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {}
+        cursor = 0
+        for path, layer in layers.items():
+            a_len = r_store * layer.in_features
+            b_len = layer.out_features * r_store
+            a_span = (cursor, cursor + a_len)
+            cursor = _round_up(cursor + a_len, _ALIGN)
+            b_span = (cursor, cursor + b_len)
+            cursor = _round_up(cursor + b_len, _ALIGN)
+            spans[path] = (a_span, b_span)
+        if device is None:
+            device = next(iter(layers.values())).base_layer.weight.device
+        params = torch.zeros(num_slots, cursor, dtype=torch.float32, device=device)
+        grads = torch.zeros_like(params) if trainable else None
+        layer_banks: dict[str, LayerBank] = {}
+        for path, layer in layers.items():
+            (a0, a1), (b0, b1) = spans[path]
+            A = nn.Parameter(params[:, a0:a1].view(num_slots, r_store, layer.in_features), requires_grad=trainable)
+            B = nn.Parameter(params[:, b0:b1].view(num_slots, layer.out_features, r_store), requires_grad=trainable)
+            if grads is not None:
+                A.grad = grads[:, a0:a1].view(num_slots, r_store, layer.in_features)
+                B.grad = grads[:, b0:b1].view(num_slots, layer.out_features, r_store)
+            layer_bank = LayerBank(A=A, B=B, a_span=(a0, a1), b_span=(b0, b1))
+            layer.attach(name, layer_bank)
+            layer_banks[path] = layer_bank
+        bank = cls(
+            name=name,
+            layers=dict(layers),
+            num_slots=num_slots,
+            r_max=r_max,
+            params=params,
+            grads=grads,
+            layer_banks=layer_banks,
+        )
+        bank.slots = [None] * num_slots
+        bank.scales = torch.zeros(num_slots, dtype=torch.float32, device=device)
+        return bank
+
+    # ------------------------------------------------------------------ slots
+    @property
+    def trainable(self) -> bool:
+        return self.grads is not None
+
+    @property
+    def row_size(self) -> int:
+        return int(self.params.shape[1])
+
+    def free_slots(self) -> list[int]:
+        return [s for s in range(1, self.num_slots) if self.slots[s] is None]
+
+    def used_slots(self) -> list[int]:
+        return [s for s in range(1, self.num_slots) if self.slots[s] is not None]
+
+    def check_slot(self, slot: int) -> SlotInfo:
+        if not isinstance(slot, int) or isinstance(slot, bool) or not 1 <= slot < self.num_slots:
+            raise BankError(f"slot {slot!r} is not an adapter slot of bank {self.name!r} (1..{self.num_slots - 1})")
+        info = self.slots[slot]
+        if info is None:
+            raise BankError(f"slot {slot} of bank {self.name!r} is not allocated")
+        return info
+
+    def resolve_targets(self, spec: AdapterSpec) -> tuple[str, ...]:
+        if spec.targets is None:
+            return tuple(self.layers)
+        unknown = [t for t in spec.targets if t not in self.layers]
+        if unknown:
+            raise BankError(
+                f"adapter targets {unknown} are not layers of bank {self.name!r} "
+                f"(it wraps {len(self.layers)} layers, e.g. {list(self.layers)[:3]})"
+            )
+        if not spec.targets:
+            raise BankError("adapter targets is empty")
+        return tuple(t for t in self.layers if t in set(spec.targets))
+
+    def allocate(self, spec: AdapterSpec, slot: int | None = None, *, initialize: bool = True) -> int:
+        """Claims a slot for `spec` and initialises it as PEFT does (A random, B zero)."""
+        spec.validate()
+        if spec.rank > self.r_max:
+            raise BankError(f"rank {spec.rank} exceeds r_max {self.r_max} of bank {self.name!r}")
+        targets = self.resolve_targets(spec)
+        if slot is None:
+            free = self.free_slots()
+            if not free:
+                raise BankError(f"no free slot in bank {self.name!r} (all {self.num_slots - 1} in use)")
+            slot = free[0]
+        elif not isinstance(slot, int) or not 1 <= slot < self.num_slots:
+            raise BankError(f"slot {slot!r} is not an adapter slot of bank {self.name!r} (1..{self.num_slots - 1})")
+        elif self.slots[slot] is not None:
+            raise BankError(f"slot {slot} of bank {self.name!r} is already in use")
+        self.slots[slot] = SlotInfo(spec=replace(spec, targets=targets), targets=targets)
+        self.scales[slot] = spec.scale
+        self._zero_slot(slot)
+        if initialize:
+            self._init_slot(slot)
+        return slot
+
+    def free(self, slot: int) -> None:
+        self.check_slot(slot)
+        self.slots[slot] = None
+        self.scales[slot] = 0.0
+        self._zero_slot(slot)
+
+    @torch.no_grad()
+    def _zero_slot(self, slot: int) -> None:
+        self.params[slot].zero_()
+        if self.grads is not None:
+            self.grads[slot].zero_()
+
+    @torch.no_grad()
+    def _init_slot(self, slot: int) -> None:
+        info = self.slots[slot]
+        assert info is not None
+        rank = info.spec.rank
+        for path in info.targets:
+            layer = self.layers[path]
+            init = kaiming_uniform_A(rank, layer.in_features, init_seed(info.spec.seed, path, "A"))
+            self.layer_banks[path].A[slot, :rank].copy_(init)
+
+    # ------------------------------------------------------------ weights io
+    def slot_weights(self, slot: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of the adapter's targeted layers: path -> (A[rank, in], B[out, rank]), fp32."""
+        info = self.check_slot(slot)
+        rank = info.spec.rank
+        return {
+            path: (
+                self.layer_banks[path].A[slot, :rank].detach().clone(),
+                self.layer_banks[path].B[slot, :, :rank].detach().clone(),
+            )
+            for path in info.targets
+        }
+
+    @torch.no_grad()
+    def load_slot_weights(self, slot: int, weights: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Writes A/B for an allocated slot; every targeted layer must be given, shapes exact."""
+        info = self.check_slot(slot)
+        rank = info.spec.rank
+        missing = [p for p in info.targets if p not in weights]
+        extra = [p for p in weights if p not in info.targets]
+        if missing or extra:
+            raise BankError(f"weights for slot {slot} do not match its targets: missing {missing[:5]}, unexpected {extra[:5]}")
+        for path in info.targets:
+            A, B = weights[path]
+            layer = self.layers[path]
+            if tuple(A.shape) != (rank, layer.in_features):
+                raise BankError(f"{path}: A has shape {tuple(A.shape)}, expected {(rank, layer.in_features)}")
+            if tuple(B.shape) != (layer.out_features, rank):
+                raise BankError(f"{path}: B has shape {tuple(B.shape)}, expected {(layer.out_features, rank)}")
+            for which, t in (("A", A), ("B", B)):
+                if not torch.isfinite(t).all():
+                    raise BankError(f"{path}: {which} contains NaN or inf")
+        self._zero_slot(slot)
+        for path in info.targets:
+            A, B = weights[path]
+            self.layer_banks[path].A[slot, :rank].copy_(A)
+            self.layer_banks[path].B[slot, :, :rank].copy_(B)
+
+    @torch.no_grad()
+    def copy_slot_from(self, other: BankSet, src_slot: int, dst_slot: int) -> None:
+        """Row copy between bank sets over the same layers (e.g. trainer -> sampler publish)."""
+        if list(other.layers) != list(self.layers) or other.row_size != self.row_size:
+            raise BankError(f"bank {other.name!r} and {self.name!r} do not share a layout")
+        info = other.check_slot(src_slot)
+        if self.slots[dst_slot] is None:
+            self.allocate(info.spec, dst_slot, initialize=False)
+        self.params[dst_slot].copy_(other.params[src_slot])
+        self.scales[dst_slot] = other.scales[src_slot]
+
+    def slot_ids_for_rows(self, row_slots: Sequence[int], seq_len: int) -> torch.Tensor:
+        """[rows, seq_len] slot ids for a padded batch whose row i belongs to row_slots[i]."""
+        for slot in row_slots:
+            if slot != BASE_SLOT:
+                self.check_slot(slot)
+        ids = torch.tensor(list(row_slots), dtype=torch.int64, device=self.params.device)
+        return ids.unsqueeze(1).expand(len(row_slots), seq_len)
+
+    def check_routable(self, slot_ids: torch.Tensor) -> None:
+        """Every slot a batch routes to must hold an adapter (slot 0 = base is always fine)."""
+        for slot in torch.unique(slot_ids).tolist():
+            if slot != BASE_SLOT and (slot >= self.num_slots or slot < 0 or self.slots[slot] is None):
+                raise RoutingError(f"routing uses slot {slot}, which holds no adapter in bank {self.name!r}")

@@ -1,0 +1,115 @@
+"""Which adapter slot each token uses, computed once per forward and shared by every layer.
+
+HF models do not pass extra arguments down to their linears, so the routing travels through a
+`RoutingScope` owned by the adapted model (thread-local, so a trainer thread and a sampler thread
+can run forwards on the same base at once). There is no module-global state: a forward without an
+active routing raises instead of silently running the base model.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+BASE_SLOT = 0
+"""Slot 0 carries no adapter: its rows see the frozen base model only (reference logprobs)."""
+
+
+class RoutingError(ValueError):
+    """A routing that cannot be applied to the batch it was given."""
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Tokens of one forward sorted into contiguous per-slot segments.
+
+    `order` lists the flat indices of tokens that use an adapter (slot > 0), stably sorted by
+    slot; `offsets[g]` is the int32 end of the segment of slot g + 1 in that order (the layout
+    `torch._grouped_mm` wants). `token_scale` is each sorted token's LoRA scale, so layers need
+    no per-slot metadata of their own.
+    """
+
+    bank: str
+    num_tokens: int
+    num_slots: int
+    order: torch.Tensor  # int64 [M]
+    offsets: torch.Tensor  # int32 [num_slots - 1]
+    counts: tuple[int, ...]  # tokens per slot 1..num_slots-1 (host copy, for the loop kernel)
+    token_scale: torch.Tensor  # float32 [M, 1]
+
+    @property
+    def num_active(self) -> int:
+        return int(self.order.numel())
+
+    def active_slots(self) -> list[int]:
+        """Slots that own at least one token in this forward."""
+        return [slot for slot, count in enumerate(self.counts, start=1) if count > 0]
+
+
+def build_routing(
+    slot_ids: torch.Tensor, slot_scales: torch.Tensor, *, bank: str
+) -> Routing:
+    """Sorts tokens by slot once; every adapted layer of the forward reuses the result.
+
+    `slot_ids` holds one slot per token (any shape, flattened in row-major order, matching the
+    flattened activations); `slot_scales[s]` is slot s's LoRA scale (0 for free slots).
+    """
+    if not isinstance(slot_ids, torch.Tensor):
+        raise RoutingError(f"slot_ids must be a torch.Tensor, got {type(slot_ids).__name__}")
+    if slot_ids.dtype not in (torch.int64, torch.int32):
+        raise RoutingError(f"slot_ids must be int64 or int32, got dtype {slot_ids.dtype}")
+    if slot_ids.device != slot_scales.device:
+        raise RoutingError(
+            f"slot_ids are on device {slot_ids.device} but the adapter bank is on {slot_scales.device}"
+        )
+    num_slots = int(slot_scales.numel())
+    flat = slot_ids.reshape(-1).to(torch.int64)
+    if flat.numel() > 0:
+        low, high = int(flat.min()), int(flat.max())
+        if low < 0 or high >= num_slots:
+            bad = low if low < 0 else high
+            raise RoutingError(f"slot id {bad} is outside the bank's slots [0, {num_slots})")
+    counts = torch.bincount(flat, minlength=num_slots)
+    active = flat > BASE_SLOT
+    active_idx = torch.nonzero(active, as_tuple=False).reshape(-1)
+    order = active_idx[torch.argsort(flat[active_idx], stable=True)]
+    offsets = torch.cumsum(counts[1:], dim=0).to(torch.int32)
+    token_scale = slot_scales.to(torch.float32)[flat[order]].unsqueeze(1)
+    return Routing(
+        bank=bank,
+        num_tokens=int(flat.numel()),
+        num_slots=num_slots,
+        order=order,
+        offsets=offsets,
+        counts=tuple(int(c) for c in counts[1:].tolist()),
+        token_scale=token_scale,
+    )
+
+
+class RoutingScope:
+    """The routing in force for the current thread's forward on one adapted model."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    @contextmanager
+    def use(self, routing: Routing) -> Iterator[Routing]:
+        previous = getattr(self._local, "routing", None)
+        self._local.routing = routing
+        try:
+            yield routing
+        finally:
+            self._local.routing = previous
+
+    def current(self, module_name: str) -> Routing:
+        routing = getattr(self._local, "routing", None)
+        if routing is None:
+            raise RoutingError(
+                f"adapted layer {module_name!r} ran without a routing; wrap the forward in "
+                "`with model.routing(...)` (use slot 0 for base-model rows)"
+            )
+        return routing

