@@ -194,6 +194,21 @@ def test_materialize_loser_of_race_uses_winner(fresh_cache, tmp_path, monkeypatc
     assert sorted(p.name for p in winner.parent.iterdir() if ".tmp-" in p.name) == []
 
 
+def test_materialize_removes_stale_temp_dirs(fresh_cache):
+    target = presets.preset_dir("tiny-qwen3")
+    target.parent.mkdir(parents=True)
+    stale = target.parent / f".{target.name}.tmp-dead"
+    live = target.parent / f".{target.name}.tmp-live"
+    for leftover in (stale, live):
+        leftover.mkdir()
+        (leftover / "model.safetensors").write_bytes(b"partial")
+    old = stale.stat().st_mtime - presets.STALE_BUILD_SECONDS - 10
+    os.utime(stale, (old, old))
+    materialize("tiny-qwen3")
+    assert not stale.exists()
+    assert live.exists()  # might belong to a running build that ignores our lock
+
+
 def _materialize_in_child(name: str) -> str:
     return str(materialize(name))
 

@@ -307,17 +307,39 @@ class BankSet:
             self.layer_banks[path].A[slot, :rank].copy_(init)
 
     # ------------------------------------------------------------ weights io
+    def split_row(self, row: torch.Tensor, rank: int, targets: Sequence[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Views of a flat [P] row (params, grads or optimizer moments) as per-layer
+        (A[rank, in], B[out, rank]): the layout-free form used by checkpoints and exports."""
+        if row.shape != (self.row_size,):
+            raise BankError(f"row has shape {tuple(row.shape)}, expected ({self.row_size},)")
+        r_store = self.layer_banks[next(iter(self.layer_banks))].A.shape[1]
+        out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for path in targets:
+            layer = self.layers[path]
+            layer_bank = self.layer_banks[path]
+            (a0, a1), (b0, b1) = layer_bank.a_span, layer_bank.b_span
+            A = row[a0:a1].view(r_store, layer.in_features)[:rank]
+            B = row[b0:b1].view(layer.out_features, r_store)[:, :rank]
+            out[path] = (A, B)
+        return out
+
+    def join_row(
+        self, tensors: Mapping[str, tuple[torch.Tensor, torch.Tensor]], rank: int, targets: Sequence[str]
+    ) -> torch.Tensor:
+        """Inverse of `split_row`: a fresh flat row, zero outside the given layers and rank."""
+        row = torch.zeros(self.row_size, dtype=torch.float32, device=self.params.device)
+        views = self.split_row(row, rank, targets)
+        for path in targets:
+            A, B = tensors[path]
+            views[path][0].copy_(A)
+            views[path][1].copy_(B)
+        return row
+
     def slot_weights(self, slot: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Copies of the adapter's targeted layers: path -> (A[rank, in], B[out, rank]), fp32."""
         info = self.check_slot(slot)
-        rank = info.spec.rank
-        return {
-            path: (
-                self.layer_banks[path].A[slot, :rank].detach().clone(),
-                self.layer_banks[path].B[slot, :, :rank].detach().clone(),
-            )
-            for path in info.targets
-        }
+        views = self.split_row(self.params[slot].detach(), info.spec.rank, info.targets)
+        return {path: (A.clone(), B.clone()) for path, (A, B) in views.items()}
 
     @torch.no_grad()
     def load_slot_weights(self, slot: int, weights: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -339,10 +361,7 @@ class BankSet:
                 if not torch.isfinite(t).all():
                     raise BankError(f"{path}: {which} contains NaN or inf")
         self._zero_slot(slot)
-        for path in info.targets:
-            A, B = weights[path]
-            self.layer_banks[path].A[slot, :rank].copy_(A)
-            self.layer_banks[path].B[slot, :, :rank].copy_(B)
+        self.params[slot].copy_(self.join_row(weights, rank, info.targets))
 
     @torch.no_grad()
     def copy_slot_from(self, other: BankSet, src_slot: int, dst_slot: int) -> None:

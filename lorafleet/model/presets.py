@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
 # Bump when a builder changes in a way the recipe dicts below do not capture.
 RECIPE_VERSION = 1
 MARKER_FILE = "lorafleet.json"
+# Unfinished builds older than this are assumed dead and removed by the next builder.
+STALE_BUILD_SECONDS = 3600
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>")
 TINY_TOKENIZER_VOCAB = 512
@@ -388,6 +391,7 @@ def materialize(name: str) -> Path:
     with _build_lock(models_dir / f".{target.name}.lock"):
         if _is_complete(target):
             return target
+        _remove_stale_builds(models_dir, target.name)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=models_dir))
         try:
             spec.builder(tmp)
@@ -404,6 +408,16 @@ def materialize(name: str) -> Path:
 def _is_complete(path: Path) -> bool:
     # The marker is written last inside the temp dir, and the dir appears atomically.
     return (path / MARKER_FILE).is_file()
+
+
+def _remove_stale_builds(models_dir: Path, target_name: str) -> None:
+    """Drop temp dirs of builds that were killed (a SIGKILL skips our cleanup). Only old
+    ones, in case the lock is not honoured (some network filesystems) and one is live."""
+    cutoff = time.time() - STALE_BUILD_SECONDS
+    for leftover in models_dir.glob(f".{target_name}.tmp-*"):
+        with contextlib.suppress(FileNotFoundError):
+            if leftover.is_dir() and leftover.stat().st_mtime < cutoff:
+                shutil.rmtree(leftover, ignore_errors=True)
 
 
 @contextlib.contextmanager

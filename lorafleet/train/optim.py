@@ -115,6 +115,7 @@ class BankAdamW:
         self.exp_avg_sq = torch.zeros_like(params, memory_format=torch.contiguous_format)
         self.step_count = torch.zeros(self.num_slots, dtype=torch.int64)
         self.pending = torch.zeros(self.num_slots, dtype=torch.bool)
+        self._scratch: torch.Tensor | None = None
 
     # -- slot bookkeeping -------------------------------------------------------------
 
@@ -258,6 +259,7 @@ class BankAdamW:
         if not active:
             return metrics
 
+        active.sort(key=lambda item: item[0])
         slots = [s for s, _ in active]
         new_steps = [step_count[s] + 1 for s in slots]
         with torch.no_grad():
@@ -278,56 +280,102 @@ class BankAdamW:
             }
         return metrics
 
+    def _workspace(self, count: int, k: int) -> list[torch.Tensor]:
+        """``count`` scratch ``[k, P]`` tensors.
+
+        On CPU they are carved from one buffer kept across steps: there is no caching
+        allocator there, and faulting in fresh pages for every multi-MB temporary costs
+        more than the arithmetic itself. On accelerators the caching allocator already
+        recycles blocks, so nothing is pinned between steps.
+        """
+        n = k * self.row_size
+        if self.params.device.type != "cpu":
+            return [self.params.new_empty(k, self.row_size) for _ in range(count)]
+        if self._scratch is None or self._scratch.numel() < count * n:
+            self._scratch = None  # drop the old one before allocating the larger one
+            self._scratch = self.params.new_empty(count * n)
+        return [self._scratch[i * n : (i + 1) * n].view(k, self.row_size) for i in range(count)]
+
     def _update(self, slots: list[int], hps: list[AdamHParams], steps: list[int]) -> torch.Tensor:
         """The vectorised math; returns ``[4, k]`` (grad, update, param norms, clip coef).
 
+        ``slots`` must be ascending. A contiguous run of slots (the common case when the
+        engine packs adapters) is updated in place through views; otherwise the rows are
+        gathered with ``index_select`` and written back with ``index_copy_``.
+
         Host-side scalars are computed in Python floats (float64) with torch's exact
         expressions and only then rounded to float32, because that is what torch does
-        when it passes them to its kernels as Python scalars. Tensor-valued per-slot
-        factors are fed to kernels whose scalar ``value`` is then 1, which rounds the
-        same way (e.g. ``addcdiv_(m * -step_size, d)`` == ``addcdiv_(m, d, value=-step_size)``).
+        when it passes them to its kernels as Python scalars. Per-slot factors become
+        ``[k, 1]`` tensors fed to kernels whose own scalar is 1, which rounds the same
+        way: ``p.addcdiv_(m, d, value=-lr_t)`` evaluates ``p + ((-lr_t * m) / d)``, so
+        it equals ``p.add_((m * -lr_t) / d)`` bit for bit.
         """
         device = self.params.device
-        idx = torch.tensor(slots, dtype=torch.long, device=device)
+        k = len(slots)
 
-        clip, decay, w1, b2, c2, bc2_sqrt, eps, neg_step = [], [], [], [], [], [], [], []
+        clip, decay, w1, b2, c2, bc2_sqrt, eps, neg_step, neg_wd = ([] for _ in range(9))
         for hp, step in zip(hps, steps, strict=True):
             clip.append(hp.grad_clip_norm)
             decay.append(1 - hp.learning_rate * hp.weight_decay)
+            neg_wd.append(-(hp.learning_rate * hp.weight_decay))
             w1.append(1 - hp.beta1)
             b2.append(hp.beta2)
             c2.append(1 - hp.beta2)
             bc2_sqrt.append((1 - hp.beta2**step) ** 0.5)
             eps.append(hp.eps)
             neg_step.append(-(hp.learning_rate / (1 - hp.beta1**step)))
-        table = torch.tensor([decay, w1, b2, c2, bc2_sqrt, eps, neg_step], dtype=torch.float32).to(
-            device, non_blocking=True
+        table = torch.tensor(
+            [decay, neg_wd, w1, b2, c2, bc2_sqrt, eps, neg_step, clip], dtype=torch.float32
+        ).to(device, non_blocking=True)
+        decay_t, neg_wd_t, w1_t, b2_t, c2_t, bc2_sqrt_t, eps_t, neg_step_t, clip_t = (
+            table.unsqueeze(-1).unbind(0)
         )
-        decay_t, w1_t, b2_t, c2_t, bc2_sqrt_t, eps_t, neg_step_t = table.unsqueeze(-1).unbind(0)
 
-        g = self.grads.index_select(0, idx)
+        contiguous = slots[-1] - slots[0] == k - 1
+        if contiguous:
+            lo = slots[0]
+            g, p, m, v = (t.narrow(0, lo, k) for t in self._banks())
+            tmp, upd = self._workspace(2, k)
+        else:
+            idx = torch.tensor(slots, dtype=torch.long, device=device)
+            g, p, m, v, tmp, upd = self._workspace(6, k)
+            for src, dst in zip(self._banks(), (g, p, m, v), strict=True):
+                torch.index_select(src, 0, idx, out=dst)
+
         grad_norm = torch.linalg.vector_norm(g, dim=1)
         clip_coef = torch.ones_like(grad_norm)
         if any(c > 0 for c in clip):
-            # clip_grad_norm_: max_norm / (total + 1e-6) is evaluated by torch as
-            # reciprocal(total + 1e-6) * max_norm, then clamped to 1.
-            clip_t = torch.tensor(clip, dtype=torch.float32).to(device, non_blocking=True)
-            coef = ((grad_norm + _CLIP_EPS).reciprocal() * clip_t).clamp_(max=1.0)
-            clip_coef = torch.where(clip_t > 0, coef, clip_coef)
+            # clip_grad_norm_: torch evaluates max_norm / (total + 1e-6) as
+            # reciprocal(total + 1e-6) * max_norm (Tensor.__rtruediv__), then clamps to 1.
+            max_norm = clip_t.squeeze(1)
+            coef = ((grad_norm + _CLIP_EPS).reciprocal() * max_norm).clamp_(max=1.0)
+            clip_coef = torch.where(max_norm > 0, coef, clip_coef)
             g.mul_(clip_coef.unsqueeze(1))
 
-        old = self.params.index_select(0, idx)
-        p = old * decay_t  # decoupled weight decay; factor is exactly 1 when wd == 0
-        m = self.exp_avg.index_select(0, idx).lerp_(g, w1_t)
-        v = self.exp_avg_sq.index_select(0, idx).mul_(b2_t).addcmul_(g * c2_t, g)
-        denom = v.sqrt().div_(bc2_sqrt_t).add_(eps_t)
-        p.addcdiv_(m.mul(neg_step_t), denom)
-
-        self.params.index_copy_(0, idx, p)
-        self.exp_avg.index_copy_(0, idx, m)
-        self.exp_avg_sq.index_copy_(0, idx, v)
-        self.grads.index_fill_(0, idx, 0.0)
-
+        m.lerp_(g, w1_t)
+        torch.mul(g, c2_t, out=tmp)
+        v.mul_(b2_t).addcmul_(tmp, g)
+        denom = torch.sqrt(v, out=tmp).div_(bc2_sqrt_t).add_(eps_t)
+        step_ = torch.mul(m, neg_step_t, out=upd).div_(denom)
+        if any(d != 1.0 for d in decay):
+            # The full parameter change, p_new - p_old, for the metric.
+            update_norm = torch.linalg.vector_norm(
+                torch.mul(p, neg_wd_t, out=tmp).add_(step_), dim=1
+            )
+            p.mul_(decay_t)
+        else:
+            update_norm = torch.linalg.vector_norm(step_, dim=1)
+        p.add_(step_)
         param_norm = torch.linalg.vector_norm(p, dim=1)
-        update_norm = torch.linalg.vector_norm(p.sub_(old), dim=1)
+
+        if contiguous:
+            g.zero_()
+        else:
+            self.params.index_copy_(0, idx, p)
+            self.exp_avg.index_copy_(0, idx, m)
+            self.exp_avg_sq.index_copy_(0, idx, v)
+            self.grads.index_fill_(0, idx, 0.0)
         return torch.stack([grad_norm, update_norm, param_norm, clip_coef])
+
+    def _banks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.grads, self.params, self.exp_avg, self.exp_avg_sq
