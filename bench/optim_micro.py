@@ -26,18 +26,25 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _min_time(
-    fn: Callable[[], None], prepare: Callable[[], None], repeats: int, device: torch.device
-) -> float:
-    """Min over repeats: the least-disturbed run is the best estimate of the kernel cost."""
-    best = float("inf")
+def _interleaved_min_times(
+    cases: dict[str, tuple[Callable[[], None], Callable[[], None]]],
+    repeats: int,
+    device: torch.device,
+) -> dict[str, float]:
+    """Min over repeats of each (run, prepare) case, taking turns between cases.
+
+    Taking turns means background load hits every case alike; the minimum is the
+    least-disturbed run, the best estimate of the kernels' own cost.
+    """
+    best = dict.fromkeys(cases, float("inf"))
     for _ in range(repeats):
-        prepare()
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        best = min(best, time.perf_counter() - t0)
+        for name, (run, prepare) in cases.items():
+            prepare()
+            _sync(device)
+            t0 = time.perf_counter()
+            run()
+            _sync(device)
+            best[name] = min(best[name], time.perf_counter() - t0)
     return best
 
 
@@ -48,6 +55,11 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, default=60, help="tensors per torch adapter")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--clip", type=float, default=0.0, help="grad_clip_norm (0 = off)")
+    ap.add_argument(
+        "--scattered",
+        action="store_true",
+        help="step every other slot (gather/scatter path) instead of a contiguous run",
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
 
@@ -58,11 +70,12 @@ def main() -> None:
     hp = AdamHParams(learning_rate=1e-4, weight_decay=0.01, grad_clip_norm=args.clip)
 
     gen = torch.Generator().manual_seed(0)
-    params = torch.randn(k + 1, p_total, generator=gen).to(device)
+    num_slots = 2 * k + 1 if args.scattered else k + 1
+    params = torch.randn(num_slots, p_total, generator=gen).to(device)
     grads = torch.zeros_like(params)
-    grad_src = torch.randn(k + 1, p_total, generator=gen).to(device)
+    grad_src = torch.randn(num_slots, p_total, generator=gen).to(device)
     bank = BankAdamW(params, grads)
-    slots = list(range(1, k + 1))
+    slots = list(range(1, num_slots, 2)) if args.scattered else list(range(1, k + 1))
     hps = dict.fromkeys(slots, hp)
 
     def bank_prepare() -> None:
@@ -108,14 +121,21 @@ def main() -> None:
     for r in runners.values():
         r()
 
-    t_bank = _min_time(lambda: bank.step(hps), bank_prepare, args.repeats, device)
+    times = _interleaved_min_times(
+        {
+            "bank": (lambda: bank.step(hps), bank_prepare),
+            **{name: (r, noop) for name, r in runners.items()},
+        },
+        args.repeats,
+        device,
+    )
+    t_bank = times.pop("bank")
     print(
-        f"device={device} slots={k} P={p_total} tensors/adapter={n} clip={args.clip} "
-        f"threads={torch.get_num_threads()}"
+        f"device={device} slots={k} scattered={args.scattered} P={p_total} "
+        f"tensors/adapter={n} clip={args.clip} threads={torch.get_num_threads()}"
     )
     print(f"BankAdamW.step            : {t_bank * 1e3:8.2f} ms")
-    for name, r in runners.items():
-        t = _min_time(r, noop, args.repeats, device)
+    for name, t in times.items():
         print(f"{k} x torch AdamW ({name:7s}): {t * 1e3:8.2f} ms   torch/bank = {t / t_bank:.2f}x")
 
 

@@ -56,10 +56,32 @@ def _register_models(subparsers: argparse._SubParsersAction) -> None:
     path_parser.set_defaults(func=_cmd_models_path)
 
 
+# --------------------------------------------------------------------------- demo
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from lorafleet.demo import run_demo
+
+    run_demo(args.base_model, dtype=args.dtype, steps=args.steps, out_dir=Path(args.out))
+    return 0
+
+
+def _register_demo(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("demo", help="four adapters train in shared mixed batches")
+    parser.add_argument("--base-model", default="smollm2-135m", help="preset name or local HF dir")
+    parser.add_argument("--dtype", default="bfloat16", help="float32 or bfloat16")
+    parser.add_argument("--steps", type=int, default=8, help="training steps")
+    parser.add_argument("--out", default="runs/demo", help="where the PEFT adapters are written")
+    parser.set_defaults(func=_cmd_demo)
+
+
 # --------------------------------------------------------------------------- entry point
 
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _register_models,
+    _register_demo,
 ]
 
 

@@ -20,10 +20,22 @@ from pathlib import Path
 
 import torch
 
+from lorafleet.adapters.checkpoint import (
+    read_training_state,
+    restore_training_state,
+    save_training_state,
+)
+from lorafleet.adapters.peft_io import export_peft, import_peft
 from lorafleet.model.adapted import AdaptedModel
 from lorafleet.model.banks import AdapterSpec, BankSet
 from lorafleet.model.routing import BASE_SLOT
-from lorafleet.train.losses import LossSpec, compute_loss, loss_targets, merge_metrics, validate_loss
+from lorafleet.train.losses import (
+    LossSpec,
+    compute_loss,
+    loss_targets,
+    merge_metrics,
+    validate_loss,
+)
 from lorafleet.train.optim import AdamHParams, BankAdamW
 
 DEFAULT_TOKEN_BUDGET = 4096
@@ -270,8 +282,6 @@ class TrainEngine:
 
     # ---------------------------------------------------------------- state files
     def save_state(self, slot: int, dest: str | Path, *, metadata: dict | None = None, overwrite: bool = False) -> Path:
-        from lorafleet.adapters.checkpoint import save_training_state
-
         return save_training_state(
             Path(dest),
             bank=self.bank,
@@ -284,8 +294,6 @@ class TrainEngine:
         )
 
     def load_state(self, src: str | Path, *, slot: int | None = None, with_optimizer: bool = True) -> int:
-        from lorafleet.adapters.checkpoint import read_training_state, restore_training_state
-
         slot = restore_training_state(
             Path(src),
             bank=self.bank,
@@ -302,13 +310,9 @@ class TrainEngine:
         return slot
 
     def export_peft(self, slot: int, dest: str | Path, *, overwrite: bool = False) -> Path:
-        from lorafleet.adapters.peft_io import export_peft
-
         return export_peft(self.bank, slot, Path(dest), base_model_name_or_path=self.base_model_id, overwrite=overwrite)
 
     def import_peft(self, src: str | Path, *, slot: int | None = None, seed: int = 0) -> int:
-        from lorafleet.adapters.peft_io import import_peft
-
         slot = import_peft(self.bank, Path(src), slot=slot, seed=seed)
         if self.optimizer is not None:
             self.optimizer.reset_slot(slot)

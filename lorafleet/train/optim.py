@@ -4,12 +4,14 @@ Every adapter of a bank set lives in one row of ``params: [S, P]`` (slot 0 is th
 reserved "no adapter" row) and its gradients in the matching row of ``grads``.
 Tenants pick their own hyper-parameters and step at their own pace, so the
 optimizer state is per slot (moments per row, a step count per slot) and one call
-steps any subset of slots with per-slot hyper-parameters in a single vectorised pass
-instead of one ``torch.optim.AdamW`` per adapter with ~100 small tensors each.
+steps any subset of slots with per-slot hyper-parameters. Because each adapter is one
+contiguous row, the update is torch's fused AdamW kernel over whole rows (one memory
+pass per adapter) instead of one ``torch.optim.AdamW`` per adapter with ~100 small
+tensors each.
 
-The arithmetic deliberately mirrors ``torch.optim.AdamW`` (single-tensor path) and
-``torch.nn.utils.clip_grad_norm_`` operation for operation, so a slot's trajectory
-matches what a user would get training that adapter alone with stock PyTorch.
+The result equals ``torch.optim.AdamW(fused=True)`` after
+``torch.nn.utils.clip_grad_norm_`` bit for bit, so a slot's trajectory matches what a
+user would get training that adapter alone with stock PyTorch.
 """
 
 from __future__ import annotations
@@ -115,7 +117,6 @@ class BankAdamW:
         self.exp_avg_sq = torch.zeros_like(params, memory_format=torch.contiguous_format)
         self.step_count = torch.zeros(self.num_slots, dtype=torch.int64)
         self.pending = torch.zeros(self.num_slots, dtype=torch.bool)
-        self._scratch: torch.Tensor | None = None
 
     # -- slot bookkeeping -------------------------------------------------------------
 
@@ -227,12 +228,16 @@ class BankAdamW:
 
         For the stepped slots this performs, per slot and over the whole row (= all of
         that adapter's tensors), ``clip_grad_norm_`` followed by torch AdamW's update,
-        with the same float operations in the same order, gathered as ``[k, P]`` with
-        per-slot hyper-parameters broadcast as ``[k, 1]``.
+        with the same float operations in the same order, on all stepped rows at once
+        as ``[k, P]`` with per-slot hyper-parameters broadcast as ``[k, 1]``. Metrics
+        cost one host sync (the ``[4, k]`` norms), not one per slot.
         """
         requested: list[tuple[int, AdamHParams]] = []
         for slot, hp in hparams.items():
             s = self._check_slot(slot)
+            if any(s == r for r, _ in requested):
+                # Distinct keys (e.g. 1 and torch.tensor(1)) can name the same slot.
+                raise ValueError(f"adapter slot {s} requested more than once")
             if not isinstance(hp, AdamHParams):
                 raise ValueError(
                     f"hyper-parameters for slot {s} must be AdamHParams, got {type(hp).__name__}"
@@ -267,7 +272,7 @@ class BankAdamW:
         self.step_count[slots] += 1
         self.pending[slots] = False
 
-        grad_norm, update_norm, param_norm, clip_coef = stats.tolist()
+        grad_norm, param_norm, clip_coef = stats.tolist()
         for i, (s, hp) in enumerate(active):
             metrics[s] = {
                 "skipped": 0.0,
@@ -275,107 +280,54 @@ class BankAdamW:
                 "learning_rate": float(hp.learning_rate),
                 "grad_norm": grad_norm[i],
                 "grad_clip_coef": clip_coef[i],
-                "update_norm": update_norm[i],
                 "param_norm": param_norm[i],
             }
         return metrics
 
-    def _workspace(self, count: int, k: int) -> list[torch.Tensor]:
-        """``count`` scratch ``[k, P]`` tensors.
-
-        On CPU they are carved from one buffer kept across steps: there is no caching
-        allocator there, and faulting in fresh pages for every multi-MB temporary costs
-        more than the arithmetic itself. On accelerators the caching allocator already
-        recycles blocks, so nothing is pinned between steps.
-        """
-        n = k * self.row_size
-        if self.params.device.type != "cpu":
-            return [self.params.new_empty(k, self.row_size) for _ in range(count)]
-        if self._scratch is None or self._scratch.numel() < count * n:
-            self._scratch = None  # drop the old one before allocating the larger one
-            self._scratch = self.params.new_empty(count * n)
-        return [self._scratch[i * n : (i + 1) * n].view(k, self.row_size) for i in range(count)]
-
     def _update(self, slots: list[int], hps: list[AdamHParams], steps: list[int]) -> torch.Tensor:
-        """The vectorised math; returns ``[4, k]`` (grad, update, param norms, clip coef).
+        """The update itself; returns ``[3, k]`` (grad norm before clipping, param norm
+        after, clip coefficient).
 
-        ``slots`` must be ascending. A contiguous run of slots (the common case when the
-        engine packs adapters) is updated in place through views; otherwise the rows are
-        gathered with ``index_select`` and written back with ``index_copy_``.
-
-        Host-side scalars are computed in Python floats (float64) with torch's exact
-        expressions and only then rounded to float32, because that is what torch does
-        when it passes them to its kernels as Python scalars. Per-slot factors become
-        ``[k, 1]`` tensors fed to kernels whose own scalar is 1, which rounds the same
-        way: ``p.addcdiv_(m, d, value=-lr_t)`` evaluates ``p + ((-lr_t * m) / d)``, so
-        it equals ``p.add_((m * -lr_t) / d)`` bit for bit.
+        Each slot's row is contiguous, so torch's fused AdamW kernel (one pass over
+        params, grads and moments, versus ~10 passes for the foreach path) updates it
+        in place; slots sharing hyper-parameters go through one multi-tensor call.
+        The result equals ``torch.optim.AdamW(fused=True)`` bit for bit and the
+        default implementation to float32 rounding.
         """
-        device = self.params.device
-        k = len(slots)
-
-        clip, decay, w1, b2, c2, bc2_sqrt, eps, neg_step, neg_wd = ([] for _ in range(9))
-        for hp, step in zip(hps, steps, strict=True):
-            clip.append(hp.grad_clip_norm)
-            decay.append(1 - hp.learning_rate * hp.weight_decay)
-            neg_wd.append(-(hp.learning_rate * hp.weight_decay))
-            w1.append(1 - hp.beta1)
-            b2.append(hp.beta2)
-            c2.append(1 - hp.beta2)
-            bc2_sqrt.append((1 - hp.beta2**step) ** 0.5)
-            eps.append(hp.eps)
-            neg_step.append(-(hp.learning_rate / (1 - hp.beta1**step)))
-        table = torch.tensor(
-            [decay, neg_wd, w1, b2, c2, bc2_sqrt, eps, neg_step, clip], dtype=torch.float32
-        ).to(device, non_blocking=True)
-        decay_t, neg_wd_t, w1_t, b2_t, c2_t, bc2_sqrt_t, eps_t, neg_step_t, clip_t = (
-            table.unsqueeze(-1).unbind(0)
-        )
-
-        contiguous = slots[-1] - slots[0] == k - 1
-        if contiguous:
-            lo = slots[0]
-            g, p, m, v = (t.narrow(0, lo, k) for t in self._banks())
-            tmp, upd = self._workspace(2, k)
-        else:
-            idx = torch.tensor(slots, dtype=torch.long, device=device)
-            g, p, m, v, tmp, upd = self._workspace(6, k)
-            for src, dst in zip(self._banks(), (g, p, m, v), strict=True):
-                torch.index_select(src, 0, idx, out=dst)
-
-        grad_norm = torch.linalg.vector_norm(g, dim=1)
+        grad_rows = [self.grads[s] for s in slots]
+        grad_norm = torch.stack([torch.linalg.vector_norm(g) for g in grad_rows])
         clip_coef = torch.ones_like(grad_norm)
-        if any(c > 0 for c in clip):
+        clip = torch.tensor([hp.grad_clip_norm for hp in hps], dtype=torch.float32, device=grad_norm.device)
+        if bool((clip > 0).any()):
             # clip_grad_norm_: torch evaluates max_norm / (total + 1e-6) as
             # reciprocal(total + 1e-6) * max_norm (Tensor.__rtruediv__), then clamps to 1.
-            max_norm = clip_t.squeeze(1)
-            coef = ((grad_norm + _CLIP_EPS).reciprocal() * max_norm).clamp_(max=1.0)
-            clip_coef = torch.where(max_norm > 0, coef, clip_coef)
-            g.mul_(clip_coef.unsqueeze(1))
+            coef = ((grad_norm + _CLIP_EPS).reciprocal() * clip).clamp_(max=1.0)
+            clip_coef = torch.where(clip > 0, coef, clip_coef)
+            for i, hp in enumerate(hps):
+                if hp.grad_clip_norm > 0:
+                    grad_rows[i].mul_(clip_coef[i])
 
-        m.lerp_(g, w1_t)
-        torch.mul(g, c2_t, out=tmp)
-        v.mul_(b2_t).addcmul_(tmp, g)
-        denom = torch.sqrt(v, out=tmp).div_(bc2_sqrt_t).add_(eps_t)
-        step_ = torch.mul(m, neg_step_t, out=upd).div_(denom)
-        if any(d != 1.0 for d in decay):
-            # The full parameter change, p_new - p_old, for the metric.
-            update_norm = torch.linalg.vector_norm(
-                torch.mul(p, neg_wd_t, out=tmp).add_(step_), dim=1
+        groups: dict[tuple[float, float, float, float, float], list[int]] = {}
+        for i, hp in enumerate(hps):
+            key = (hp.learning_rate, hp.beta1, hp.beta2, hp.eps, hp.weight_decay)
+            groups.setdefault(key, []).append(i)
+        for (lr, beta1, beta2, eps, weight_decay), members in groups.items():
+            torch._fused_adamw_(
+                [self.params[slots[i]] for i in members],
+                [grad_rows[i] for i in members],
+                [self.exp_avg[slots[i]] for i in members],
+                [self.exp_avg_sq[slots[i]] for i in members],
+                [],
+                [torch.tensor(float(steps[i]), device=self.params.device) for i in members],
+                lr=lr,
+                beta1=beta1,
+                beta2=beta2,
+                weight_decay=weight_decay,
+                eps=eps,
+                amsgrad=False,
+                maximize=False,
             )
-            p.mul_(decay_t)
-        else:
-            update_norm = torch.linalg.vector_norm(step_, dim=1)
-        p.add_(step_)
-        param_norm = torch.linalg.vector_norm(p, dim=1)
-
-        if contiguous:
+        param_norm = torch.stack([torch.linalg.vector_norm(self.params[s]) for s in slots])
+        for g in grad_rows:
             g.zero_()
-        else:
-            self.params.index_copy_(0, idx, p)
-            self.exp_avg.index_copy_(0, idx, m)
-            self.exp_avg_sq.index_copy_(0, idx, v)
-            self.grads.index_fill_(0, idx, 0.0)
-        return torch.stack([grad_norm, update_norm, param_norm, clip_coef])
-
-    def _banks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.grads, self.params, self.exp_avg, self.exp_avg_sq
+        return torch.stack([grad_norm, param_norm, clip_coef])

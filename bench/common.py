@@ -1,0 +1,99 @@
+"""Shared timing helpers: sides run interleaved (A B A B ...), each reported by its minimum.
+
+The machines are shared and noisy, so benchmarks compare sides measured in the same run and
+report ratios; nothing here asserts a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
+
+
+def parse_args(description: str, **extra: tuple[type, object, str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--json", type=Path, default=None, help="write the results here as JSON")
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds per side (min is reported)")
+    for name, (kind, default, help_text) in extra.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=default, help=help_text)
+    return parser.parse_args()
+
+
+def interleaved(sides: Mapping[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, dict[str, float]]:
+    """Runs every side once per round, round after round; returns min/median seconds per side."""
+    for _ in range(warmup):
+        for fn in sides.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    for _ in range(repeats):
+        for name, fn in sides.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    out = {}
+    for name, values in times.items():
+        ordered = sorted(values)
+        out[name] = {"min_s": ordered[0], "median_s": ordered[len(ordered) // 2], "runs": len(values)}
+    return out
+
+
+def environment() -> dict[str, object]:
+    return {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+    }
+
+
+def report(title: str, timings: Mapping[str, Mapping[str, float]], ratios: Mapping[str, tuple[float, str]],
+           json_path: Path | None, extra: Mapping[str, object] | None = None) -> dict[str, object]:
+    """Prints a table of sides and ratios (with their targets) and writes the JSON."""
+    print(f"\n{title}")
+    print(f"{'side':<34}{'min ms':>12}{'median ms':>12}")
+    for name, t in timings.items():
+        print(f"{name:<34}{t['min_s'] * 1e3:>12.2f}{t['median_s'] * 1e3:>12.2f}")
+    print(f"\n{'ratio':<34}{'value':>12}  target")
+    for name, (value, target) in ratios.items():
+        print(f"{name:<34}{value:>12.3f}  {target}")
+    result: dict[str, object] = {
+        "benchmark": title,
+        "timings": dict(timings),
+        **{name: value for name, (value, _) in ratios.items()},
+        "targets": {name: target for name, (_, target) in ratios.items()},
+        "environment": environment(),
+        **(dict(extra) if extra else {}),
+    }
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(result, indent=2))
+        print(f"\nwrote {json_path}")
+    return result
+
+
+def smollm2_shaped_config(**overrides):
+    """SmolLM2-135M's architecture with random weights: timing needs the shapes, not the values."""
+    from transformers import LlamaConfig
+
+    values = dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+    )
+    values.update(overrides)
+    return LlamaConfig(**values)

@@ -1,0 +1,381 @@
+"""Per-adapter training state: save one slot, restore it into any compatible bank.
+
+A checkpoint is a directory:
+- `state.json`: format version, the adapter's signature (rank, alpha, rsLoRA, target module
+  paths, base model id), seed, optimizer step, last hyper-parameters, user metadata;
+- `weights.safetensors`: `<module path>.A` [rank, in] and `<module path>.B` [out, rank], fp32;
+- `optimizer.safetensors` (when saved with an optimizer): the AdamW moments in the same
+  per-layer form (`exp_avg.<path>.A`, `exp_avg_sq.<path>.B`, ...) plus the 0-d int64 `step`.
+
+Tensors are stored per layer, never as the bank's flat row, because the row layout depends on
+the bank (r_max, which layers it wraps, their order): a checkpoint must restore into another
+process, another slot, or a bank built differently, and stay bit-exact.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from lorafleet.fsio import PathLike, atomic_directory, atomic_save_safetensors, atomic_write_json
+from lorafleet.model.banks import AdapterSpec, BankSet
+from lorafleet.train.optim import AdamHParams, BankAdamW
+
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "CheckpointError",
+    "TrainingState",
+    "read_training_state",
+    "restore_training_state",
+    "save_training_state",
+]
+
+FORMAT = "lorafleet.training_state"
+FORMAT_VERSION = 1
+STATE_NAME = "state.json"
+WEIGHTS_NAME = "weights.safetensors"
+OPTIMIZER_NAME = "optimizer.safetensors"
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+LayerTensors = dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is malformed, or that does not fit the bank/base model it is restored into."""
+
+
+@dataclass
+class TrainingState:
+    """A checkpoint as read from disk, validated on its own (not yet against a bank)."""
+
+    spec: AdapterSpec  # targets = module paths, seed = the adapter's init seed
+    base_model_id: str
+    weights: LayerTensors  # path -> (A[rank, in], B[out, rank]), fp32
+    moments: dict[str, LayerTensors] | None  # "exp_avg"/"exp_avg_sq" -> per-layer, like weights
+    step: int | None  # optimizer steps taken; None when saved without an optimizer
+    hparams: AdamHParams | None
+    metadata: dict[str, Any]
+    created_at: str
+
+
+# ---------------------------------------------------------------------------------- save
+
+
+def _check_optimizer(bank: BankSet, optimizer: BankAdamW | None) -> None:
+    if optimizer is None:
+        return
+    if (
+        optimizer.params.data_ptr() != bank.params.data_ptr()
+        or tuple(optimizer.params.shape) != tuple(bank.params.shape)
+    ):
+        raise CheckpointError(f"the optimizer does not manage bank {bank.name!r} (built over other params)")
+
+
+def _split_exact(bank: BankSet, row: torch.Tensor, rank: int, targets: tuple[str, ...], what: str) -> LayerTensors:
+    """Per-layer copies of a row, refusing rows the per-layer form would not restore exactly.
+
+    Outside the adapter's rank and layers a row is zero by construction (see banks.py); if it
+    is not, something wrote there and the checkpoint would silently differ from the slot.
+    """
+    residual = row.detach().clone()
+    for A, B in bank.split_row(residual, rank, targets).values():
+        A.zero_()
+        B.zero_()
+    if bool(residual.any()):
+        raise CheckpointError(
+            f"{what} has non-zero values outside the adapter's rank {rank} and target layers; "
+            "refusing to write a checkpoint that would not restore exactly"
+        )
+    out: LayerTensors = {}
+    for path, (A, B) in bank.split_row(row.detach(), rank, targets).items():
+        if not (bool(torch.isfinite(A).all()) and bool(torch.isfinite(B).all())):
+            raise CheckpointError(f"{what}: {path} contains NaN or inf; not saving it")
+        out[path] = (A.clone(), B.clone())
+    return out
+
+
+def save_training_state(
+    dest: PathLike,
+    *,
+    bank: BankSet,
+    slot: int,
+    optimizer: BankAdamW | None,
+    base_model_id: str,
+    hparams: AdamHParams | None,
+    metadata: dict[str, Any] | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Writes the adapter in `slot` (and its AdamW state, if `optimizer` is given) to `dest`.
+
+    A gradient accumulated but not yet stepped is not saved: checkpoints are taken between
+    optimizer steps, and a restored slot starts with no pending gradient.
+    """
+    if not isinstance(base_model_id, str) or not base_model_id:
+        raise CheckpointError(f"base_model_id must be a non-empty string, got {base_model_id!r}")
+    if hparams is not None and not isinstance(hparams, AdamHParams):
+        raise CheckpointError(f"hparams must be AdamHParams or None, got {type(hparams).__name__}")
+    metadata = {} if metadata is None else metadata
+    if not isinstance(metadata, dict):
+        raise CheckpointError(f"metadata must be a dict, got {type(metadata).__name__}")
+    try:
+        json.dumps(metadata, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"metadata is not plain JSON: {exc}") from exc
+    _check_optimizer(bank, optimizer)
+    info = bank.check_slot(slot)
+    rank, targets = info.spec.rank, info.targets
+
+    weights = _split_exact(bank, bank.params[slot], rank, targets, f"slot {slot} weights")
+    tensors = {f"{path}.{which}": t for path, (A, B) in weights.items() for which, t in (("A", A), ("B", B))}
+
+    opt_tensors: dict[str, torch.Tensor] | None = None
+    step: int | None = None
+    if optimizer is not None:
+        state = optimizer.slot_state(slot)
+        step = int(state["step"])
+        opt_tensors = {"step": state["step"].detach().to("cpu", torch.int64).reshape(())}
+        for name in MOMENTS:
+            moment = _split_exact(bank, state[name], rank, targets, f"slot {slot} optimizer {name}")
+            for path, (A, B) in moment.items():
+                opt_tensors[f"{name}.{path}.A"] = A
+                opt_tensors[f"{name}.{path}.B"] = B
+
+    spec = info.spec
+    doc = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "signature": {
+            "rank": rank,
+            "alpha": spec.alpha,
+            "use_rslora": bool(spec.use_rslora),
+            "targets": list(targets),
+            "base_model_id": base_model_id,
+        },
+        "seed": spec.seed,
+        "step": step,
+        "has_optimizer_state": opt_tensors is not None,
+        "hparams": hparams.to_dict() if hparams is not None else None,
+        "metadata": metadata,
+        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+    dest = Path(dest)
+    with atomic_directory(dest, overwrite=overwrite) as tmp:
+        atomic_save_safetensors(tmp / WEIGHTS_NAME, tensors, metadata={"format": "pt"})
+        if opt_tensors is not None:
+            atomic_save_safetensors(tmp / OPTIMIZER_NAME, opt_tensors, metadata={"format": "pt"})
+        atomic_write_json(tmp / STATE_NAME, doc)
+    return dest
+
+
+# ---------------------------------------------------------------------------------- read
+
+
+def _field(doc: Mapping[str, Any], name: str, types: type | tuple[type, ...], where: str) -> Any:
+    if name not in doc:
+        raise CheckpointError(f"{where}: missing field {name!r}")
+    value = doc[name]
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise CheckpointError(f"{where}: field {name!r} has a wrong type: {value!r}")
+    if not isinstance(value, types):
+        raise CheckpointError(f"{where}: field {name!r} has a wrong type: {value!r}")
+    return value
+
+
+def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise CheckpointError(f"{path.parent}: missing {path.name}")
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{path}: not a readable safetensors file: {exc}") from exc
+
+
+def _layer_tensors(
+    tensors: Mapping[str, torch.Tensor], prefix: str, spec: AdapterSpec, where: Path
+) -> LayerTensors:
+    """Pulls `<prefix><path>.A/.B` for every target, checking dtype, rank and finiteness."""
+    out: LayerTensors = {}
+    assert spec.targets is not None
+    for path in spec.targets:
+        pair = []
+        for which in ("A", "B"):
+            key = f"{prefix}{path}.{which}"
+            t = tensors[key]
+            if t.dtype != torch.float32 or t.dim() != 2:
+                raise CheckpointError(f"{where}: {key} must be a 2-D float32 tensor, got {t.dtype} {tuple(t.shape)}")
+            rank_dim = t.shape[0] if which == "A" else t.shape[1]
+            if rank_dim != spec.rank:
+                raise CheckpointError(f"{where}: {key} has shape {tuple(t.shape)}, which does not match rank {spec.rank}")
+            if not bool(torch.isfinite(t).all()):
+                raise CheckpointError(f"{where}: {key} contains NaN or inf")
+            pair.append(t)
+        out[path] = (pair[0], pair[1])
+    return out
+
+
+def _check_keys(tensors: Mapping[str, torch.Tensor], expected: set[str], where: Path) -> None:
+    missing = sorted(expected - set(tensors))
+    unexpected = sorted(set(tensors) - expected)
+    if missing or unexpected:
+        raise CheckpointError(f"{where}: tensors do not match the signature: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+
+def read_training_state(src: PathLike) -> TrainingState:
+    """Reads and validates a checkpoint directory on its own terms (no bank needed)."""
+    src = Path(src)
+    if not src.is_dir():
+        raise CheckpointError(f"{src} is not a checkpoint directory")
+    state_path = src / STATE_NAME
+    if not state_path.is_file():
+        raise CheckpointError(f"{src}: missing {STATE_NAME}")
+    try:
+        doc = json.loads(state_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{state_path}: not valid JSON: {exc}") from exc
+    where = str(state_path)
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise CheckpointError(f"{where}: not a lorafleet training state (format {doc.get('format') if isinstance(doc, dict) else None!r})")
+    version = doc.get("format_version")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(f"{where}: format_version {version!r} is not supported (expected {FORMAT_VERSION})")
+
+    sig = _field(doc, "signature", dict, where)
+    rank = _field(sig, "rank", int, where)
+    alpha = _field(sig, "alpha", (int, float), where)
+    use_rslora = _field(sig, "use_rslora", bool, where)
+    targets = _field(sig, "targets", list, where)
+    base_model_id = _field(sig, "base_model_id", str, where)
+    if not targets or not all(isinstance(t, str) and t for t in targets) or len(set(targets)) != len(targets):
+        raise CheckpointError(f"{where}: signature targets must be distinct module paths, got {targets!r}")
+    if rank < 1 or not math.isfinite(alpha) or alpha <= 0:
+        raise CheckpointError(f"{where}: signature has invalid rank {rank!r} or alpha {alpha!r}")
+    seed = _field(doc, "seed", int, where)
+    spec = AdapterSpec(rank=rank, alpha=alpha, use_rslora=use_rslora, seed=seed, targets=tuple(targets))
+
+    step = _field(doc, "step", (int, type(None)), where)
+    has_opt = _field(doc, "has_optimizer_state", bool, where)
+    if has_opt and (step is None or step < 0):
+        raise CheckpointError(f"{where}: step must be a non-negative integer with optimizer state, got {step!r}")
+    hparams_doc = _field(doc, "hparams", (dict, type(None)), where)
+    try:
+        hparams = AdamHParams.from_dict(hparams_doc) if hparams_doc is not None else None
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{where}: invalid hparams: {exc}") from exc
+    metadata = _field(doc, "metadata", dict, where)
+    created_at = _field(doc, "created_at", str, where)
+
+    weights_path = src / WEIGHTS_NAME
+    raw = _load_tensors(weights_path)
+    _check_keys(raw, {f"{p}.{w}" for p in targets for w in ("A", "B")}, weights_path)
+    weights = _layer_tensors(raw, "", spec, weights_path)
+
+    moments: dict[str, LayerTensors] | None = None
+    opt_path = src / OPTIMIZER_NAME
+    if has_opt:
+        raw_opt = _load_tensors(opt_path)
+        expected = {"step"} | {f"{m}.{p}.{w}" for m in MOMENTS for p in targets for w in ("A", "B")}
+        _check_keys(raw_opt, expected, opt_path)
+        saved_step = raw_opt["step"]
+        if saved_step.dtype != torch.int64 or saved_step.dim() != 0 or int(saved_step) != step:
+            raise CheckpointError(f"{opt_path}: step tensor {saved_step!r} does not match state.json step {step}")
+        moments = {m: _layer_tensors(raw_opt, f"{m}.", spec, opt_path) for m in MOMENTS}
+        for path, pair in moments["exp_avg_sq"].items():
+            if any(bool((t < 0).any()) for t in pair):
+                raise CheckpointError(f"{opt_path}: exp_avg_sq of {path} has negative values")
+        for name in MOMENTS:
+            for path, (A, B) in moments[name].items():
+                if A.shape != weights[path][0].shape or B.shape != weights[path][1].shape:
+                    raise CheckpointError(f"{opt_path}: {name} of {path} does not have the weights' shapes")
+    elif opt_path.exists():
+        raise CheckpointError(f"{src}: has {OPTIMIZER_NAME} but state.json says it holds no optimizer state")
+
+    return TrainingState(
+        spec=spec,
+        base_model_id=base_model_id,
+        weights=weights,
+        moments=moments,
+        step=step,
+        hparams=hparams,
+        metadata=metadata,
+        created_at=created_at,
+    )
+
+
+# ------------------------------------------------------------------------------- restore
+
+
+def _check_fits(state: TrainingState, bank: BankSet, src: Path) -> None:
+    spec = state.spec
+    if spec.rank > bank.r_max:
+        raise CheckpointError(f"{src}: adapter rank {spec.rank} exceeds r_max {bank.r_max} of bank {bank.name!r}")
+    assert spec.targets is not None
+    missing = [p for p in spec.targets if p not in bank.layers]
+    if missing:
+        raise CheckpointError(
+            f"{src}: target layers {missing[:8]}{' ...' if len(missing) > 8 else ''} are not layers of bank "
+            f"{bank.name!r} (it wraps {len(bank.layers)} layers, e.g. {list(bank.layers)[:3]})"
+        )
+    for path, (A, B) in state.weights.items():
+        layer = bank.layers[path]
+        if A.shape[1] != layer.in_features or B.shape[0] != layer.out_features:
+            raise CheckpointError(
+                f"{src}: {path} has A {tuple(A.shape)} / B {tuple(B.shape)}, but the layer is "
+                f"{layer.in_features} -> {layer.out_features}"
+            )
+
+
+def restore_training_state(
+    src: PathLike,
+    *,
+    bank: BankSet,
+    optimizer: BankAdamW | None,
+    base_model_id: str,
+    slot: int | None = None,
+    load_optimizer: bool = True,
+) -> int:
+    """Allocates a slot (any free one, or `slot`) holding the checkpointed adapter; returns it.
+
+    With an optimizer, the slot's AdamW state is the saved one (or fresh, when not saved or
+    `load_optimizer` is false). `optimizer=None` restores weights only, e.g. into an
+    inference bank. All checks run before the slot is claimed; a failure leaves it free.
+    """
+    src = Path(src)
+    state = read_training_state(src)
+    if state.base_model_id != base_model_id:
+        raise CheckpointError(
+            f"{src}: checkpoint was trained on base model {state.base_model_id!r}, "
+            f"but it is being restored onto {base_model_id!r}"
+        )
+    _check_optimizer(bank, optimizer)
+    _check_fits(state, bank, src)
+    spec = state.spec
+    assert spec.targets is not None
+    slot_state: dict[str, torch.Tensor] | None = None
+    if optimizer is not None and load_optimizer and state.moments is not None:
+        assert state.step is not None
+        slot_state = {name: bank.join_row(state.moments[name], spec.rank, spec.targets) for name in MOMENTS}
+        slot_state["step"] = torch.tensor(state.step, dtype=torch.int64)
+
+    slot = bank.allocate(spec, slot, initialize=False)
+    try:
+        bank.load_slot_weights(slot, state.weights)
+        if optimizer is not None:
+            optimizer.reset_slot(slot)
+            if slot_state is not None:
+                optimizer.load_slot_state(slot, slot_state)
+    except BaseException:
+        if optimizer is not None:
+            optimizer.reset_slot(slot)
+        bank.free(slot)
+        raise
+    return slot

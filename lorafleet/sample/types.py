@@ -1,0 +1,94 @@
+"""What a caller hands `SampleEngine.generate` and what it gets back.
+
+These mirror Tinker's `SampleRequest` / `SampleResponse` (TINKER_PROTOCOL.md 6.4) in plain Python,
+so the server only converts wire formats. A request that cannot run gets a `SampleResult` with an
+`error` instead of raising: one bad request in a batch must not take its neighbours down.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+VersionKey = tuple[str, int]
+"""(adapter_id, version): one immutable published adapter version."""
+
+StopReason = Literal["stop", "length"]
+
+TopK = list[tuple[int, float]]
+"""(token id, log-prob) pairs, most likely first."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Tinker's SamplingParams.
+
+    `stop`: None = stop at EOS only; [] = never stop early (not even at EOS); a string, a list of
+    strings or a list of token ids = stop on exactly those (EOS is then not implied, as in
+    Tinker, whose renderers pass the end-of-turn token explicitly). `max_tokens` None = up to
+    the context length. `top_k` -1 (or 0) = off. `seed` None = non-reproducible.
+    """
+
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    stop: str | Sequence[str] | Sequence[int] | None = None
+    seed: int | None = None
+
+
+@dataclass
+class SampleRequest:
+    """One prompt, sampled `num_samples` times with one adapter version (None = base model)."""
+
+    prompt: Sequence[int] | torch.Tensor
+    params: SamplingParams = field(default_factory=SamplingParams)
+    adapter: VersionKey | None = None
+    num_samples: int = 1
+    prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
+
+
+@dataclass
+class SampledSequence:
+    tokens: list[int]
+    logprobs: list[float]  # of each sampled token, under the model (see engine.py)
+    stop_reason: StopReason
+    adapter: VersionKey | None  # the version that produced it (None = base model)
+    topk_logprobs: list[TopK] | None = None  # per sampled position, when asked for
+
+
+@dataclass(frozen=True)
+class SampleError:
+    """Why a request did not run. `code` is stable for servers to map onto HTTP statuses."""
+
+    code: Literal["invalid_request", "unknown_version", "version_unavailable"]
+    message: str
+
+
+@dataclass
+class SampleResult:
+    sequences: list[SampledSequence]
+    adapter: VersionKey | None
+    prompt_logprobs: list[float | None] | None = None  # None at position 0 (nothing predicts it)
+    topk_prompt_logprobs: list[TopK | None] | None = None
+    error: SampleError | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass(frozen=True)
+class SequenceTrace:
+    """When one sequence joined and left the batch (engine steps), for scheduling tests/metrics."""
+
+    request: int
+    sample: int
+    admitted_step: int
+    finished_step: int
+    num_tokens: int
