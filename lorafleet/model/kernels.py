@@ -118,7 +118,7 @@ def lora_delta(
         )
     if routing.num_active == 0:
         return None
-    xs = x.index_select(0, routing.order)
+    xs = x.contiguous() if routing.in_order else x.index_select(0, routing.order)
     A_active = A[1:].to(x.dtype)
     B_active = B[1:].to(x.dtype)
     impl = pick_kernel(kernel, x.dtype, A.shape[2], A.shape[1], B.shape[1])
@@ -135,4 +135,6 @@ def apply_lora(
     delta = lora_delta(x, A, B, routing, kernel)
     if delta is None:
         return base_out
+    if routing.in_order:
+        return base_out + delta.to(base_out.dtype)
     return base_out.index_add(0, routing.order, delta.to(base_out.dtype))

@@ -40,6 +40,7 @@ class Routing:
     offsets: torch.Tensor  # int32 [num_slots - 1]
     counts: tuple[int, ...]  # tokens per slot 1..num_slots-1 (host copy, for the loop kernel)
     token_scale: torch.Tensor  # float32 [M, 1]
+    in_order: bool = False  # every token uses an adapter and tokens are already slot-sorted
 
     @property
     def num_active(self) -> int:
@@ -74,9 +75,14 @@ def build_routing(
             bad = low if low < 0 else high
             raise RoutingError(f"slot id {bad} is outside the bank's slots [0, {num_slots})")
     counts = torch.bincount(flat, minlength=num_slots)
-    active = flat > BASE_SLOT
-    active_idx = torch.nonzero(active, as_tuple=False).reshape(-1)
-    order = active_idx[torch.argsort(flat[active_idx], stable=True)]
+    # A trainer that lays rows out slot by slot gets tokens already in segment order; then
+    # layers skip the gather/scatter and add the delta in place.
+    in_order = bool(flat.numel() > 0 and int(counts[BASE_SLOT]) == 0 and bool((flat[1:] >= flat[:-1]).all()))
+    if in_order:
+        order = torch.arange(flat.numel(), device=flat.device)
+    else:
+        active_idx = torch.nonzero(flat > BASE_SLOT, as_tuple=False).reshape(-1)
+        order = active_idx[torch.argsort(flat[active_idx], stable=True)]
     offsets = torch.cumsum(counts[1:], dim=0).to(torch.int32)
     token_scale = slot_scales.to(torch.float32)[flat[order]].unsqueeze(1)
     return Routing(
@@ -87,6 +93,7 @@ def build_routing(
         offsets=offsets,
         counts=tuple(int(c) for c in counts[1:].tolist()),
         token_scale=token_scale,
+        in_order=in_order,
     )
 
 

@@ -94,12 +94,12 @@ def _prompt(value: object, limits: ModelLimits) -> torch.Tensor:
         tokens = torch.as_tensor(value)
     except (TypeError, ValueError, RuntimeError) as exc:
         raise RequestError(f"prompt must be a list of token ids: {exc}") from exc
+    if tokens.numel() == 0:
+        raise RequestError("prompt is empty")
     if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
         raise RequestError(f"prompt tokens must be integers, got dtype {tokens.dtype}")
     if tokens.dim() != 1:
         raise RequestError(f"prompt must be 1-D, got shape {tuple(tokens.shape)}")
-    if tokens.numel() == 0:
-        raise RequestError("prompt is empty")
     tokens = tokens.to(torch.int64).cpu()
     low, high = int(tokens.min()), int(tokens.max())
     if low < 0 or high >= limits.vocab_size:

@@ -239,24 +239,38 @@ class TrainEngine:
         )
 
     def _run_microbatch(self, batch: list[PreparedItem], *, backward: bool) -> list[ItemOutput]:
+        # Rows laid out slot by slot, padding routed to its row's slot: tokens arrive already
+        # in segment order, so the LoRA layers skip their gather/scatter. Padding sits after
+        # each row's last real token, so under causal attention it can influence no real
+        # token, and its LoRA gradient is exactly zero.
+        layout = sorted(range(len(batch)), key=lambda i: batch[i].slot)
         rows = len(batch)
         max_len = max(p.length for p in batch)
+        width = max(_target_width(p.loss) for p in batch)
         input_ids = torch.zeros(rows, max_len, dtype=torch.int64)
         attention_mask = torch.zeros(rows, max_len, dtype=torch.int64)
-        slot_ids = torch.full((rows, max_len), BASE_SLOT, dtype=torch.int64)
-        for row, item in enumerate(batch):
+        slot_ids = torch.empty(rows, max_len, dtype=torch.int64)
+        targets = torch.zeros(rows, max_len, width, dtype=torch.int64)
+        for row, index in enumerate(layout):
+            item = batch[index]
             input_ids[row, : item.length] = item.tokens
             attention_mask[row, : item.length] = 1
-            slot_ids[row, : item.length] = item.slot
-        input_ids = input_ids.to(self.device)
-        attention_mask = attention_mask.to(self.device)
-        slot_ids = slot_ids.to(self.device)
-        with self.adapted.routing(self.bank.name, slot_ids):
-            logits = self.adapted.model(input_ids=input_ids, attention_mask=attention_mask).logits
-        losses = []
-        outputs = []
-        for row, item in enumerate(batch):
-            logprobs = _target_logprobs(logits[row, : item.length], loss_targets(item.loss).to(self.device))
+            slot_ids[row] = item.slot
+            item_targets = loss_targets(item.loss)
+            targets[row, : item.length, : _target_width(item.loss)] = item_targets.reshape(item.length, -1)
+        with self.adapted.routing(self.bank.name, slot_ids.to(self.device)):
+            logits = self.adapted.model(
+                input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device)
+            ).logits
+        # fp32 log-softmax once for the batch, then one gather: per-row slicing of the logits
+        # would make autograd zero-fill a full-batch logits gradient for every row.
+        target_logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.to(self.device))
+        losses: list[torch.Tensor] = []
+        outputs: list[ItemOutput | None] = [None] * rows
+        for row, index in enumerate(layout):
+            item = batch[index]
+            logprobs = target_logprobs[row, : item.length, : _target_width(item.loss)]
+            logprobs = logprobs.reshape(loss_targets(item.loss).shape)
             loss, metrics = compute_loss(item.loss, logprobs)
             if not math.isfinite(metrics["loss:sum"]):
                 raise TrainInputError(
@@ -264,10 +278,10 @@ class TrainEngine:
                     "(log-ratio overflow?); nothing was applied"
                 )
             losses.append(loss)
-            outputs.append(ItemOutput(logprobs=logprobs.detach().float().cpu(), metrics=metrics))
+            outputs[index] = ItemOutput(logprobs=logprobs.detach().float().cpu(), metrics=metrics)
         if backward:
             torch.stack(losses).sum().backward()
-        return outputs
+        return [o for o in outputs if o is not None]
 
     # ---------------------------------------------------------------- optimizer
     def optim_step(self, hparams: Mapping[int, AdamHParams]) -> dict[int, dict[str, float]]:
@@ -319,10 +333,7 @@ class TrainEngine:
         return slot
 
 
-def _target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log p(target) per position in fp32 ([T] or [T, K] targets), one row at a time so the
-    fp32 log-softmax of a large vocabulary never exists for the whole batch at once."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    if targets.dim() == 1:
-        return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return logp.gather(-1, targets)
+def _target_width(spec: LossSpec) -> int:
+    """Targets per position: 1, or K for top-k distillation targets [T, K]."""
+    targets = loss_targets(spec)
+    return 1 if targets.dim() == 1 else int(targets.shape[1])

@@ -1,0 +1,469 @@
+"""Continuous-batching generation for many adapter versions over one shared base model.
+
+`SampleEngine.generate(requests)` runs every request's samples in one batch of rows over the
+frozen base, each row routed to its own sampler slot (slot 0 = base model). Rows live in a
+fixed pool with a `RowCache` (kvcache.py): a finished sequence frees its row at once and a
+waiting one is prefilled into it while the others keep decoding, so a long sequence never holds
+the batch hostage. One engine step is:
+1. admit waiting sequences into free rows (pinning their adapter version; one prefill forward
+   per admission round, a prompt shared by several samples is prefilled once and its KV copied);
+2. one decode forward over all running rows (one new token each);
+3. retire finished rows, compacting the pool so running rows stay contiguous.
+
+Log-probs. The log-prob reported for each sampled token (and for prompt tokens and top-k lists)
+is `log_softmax` of the model's raw logits: temperature 1, before top-k/top-p filtering. This is
+vLLM's default (`logprobs_mode="raw_logprobs"`) and it is the quantity the training engine
+computes for the same tokens, which importance-sampling losses compare against (`logprobs` in
+`loss_fn_inputs` is the sampler's). With temperature != 1 or filtering, the distribution that
+actually drew the token differs from the one reported; callers that need the sampling
+distribution's log-prob must correct for it.
+
+Stops: see stops.py (stop token kept; stop string: tokens up to and including the one that
+completes it). Requests are validated one by one (validate.py): a bad request, an unknown or
+unloadable version gets its own `SampleResult.error`; the others run unchanged.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lorafleet.model.adapted import AdaptedModel
+from lorafleet.model.routing import BASE_SLOT
+from lorafleet.sample.kvcache import RowCache
+from lorafleet.sample.sampling import choose_tokens, gather_logprobs, sequence_generator, topk_lists
+from lorafleet.sample.stops import StopChecker
+from lorafleet.sample.types import (
+    SampledSequence,
+    SampleError,
+    SampleRequest,
+    SampleResult,
+    SequenceTrace,
+    StopReason,
+    TopK,
+)
+from lorafleet.sample.validate import ModelLimits, PreparedRequest, prepare_all
+from lorafleet.sample.versions import (
+    NoFreeSlotError,
+    UnknownVersionError,
+    VersionStore,
+    VersionUnavailableError,
+)
+
+DEFAULT_MAX_ROWS = 32
+DEFAULT_PREFILL_TOKENS = 4096
+
+
+@dataclass(eq=False)
+class _Group:
+    """One request while it runs: its version pin and the samples still to finish."""
+
+    request: PreparedRequest
+    slot: int | None = None  # sampler slot once pinned (BASE_SLOT for the base model)
+    pinned: bool = False
+    remaining: int = 0
+    sequences: list[SampledSequence | None] = field(default_factory=list)
+    prompt_logprobs: list[float | None] | None = None
+    topk_prompt: list[TopK | None] | None = None
+    prompt_recorded: bool = False
+    error: SampleError | None = None
+
+
+@dataclass(eq=False)
+class _Seq:
+    group: _Group
+    sample: int
+    generator: torch.Generator
+    stop: StopChecker
+    admitted_step: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    topk: list[TopK] | None = None
+    length: int = 0  # positions held in the cache (the last sampled token is not yet there)
+    stop_reason: StopReason | None = None
+
+
+def _eos_ids(model: Any, tokenizer: Any | None, vocab: int) -> frozenset[int]:
+    ids: set[int] = set()
+    sources = [getattr(model.config, "eos_token_id", None)]
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None:
+        sources.append(getattr(generation_config, "eos_token_id", None))
+    if tokenizer is not None:
+        sources.append(getattr(tokenizer, "eos_token_id", None))
+    for source in sources:
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, list | tuple):
+            ids.update(t for t in source if isinstance(t, int))
+    return frozenset(t for t in ids if 0 <= t < vocab)
+
+
+class SampleEngine:
+    """Batched, continuously refilled generation over the sampler bank of an AdaptedModel."""
+
+    def __init__(
+        self,
+        adapted: AdaptedModel,
+        versions: VersionStore,
+        *,
+        tokenizer: Any | None = None,
+        max_rows: int = DEFAULT_MAX_ROWS,
+        prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
+    ):
+        if adapted.banks.get(versions.bank.name) is not versions.bank:
+            raise ValueError(f"the version store's bank {versions.bank.name!r} is not a bank of this model")
+        if max_rows < 1 or prefill_tokens < 1:
+            raise ValueError(f"max_rows and prefill_tokens must be >= 1, got {max_rows}, {prefill_tokens}")
+        self.adapted = adapted
+        self.versions = versions
+        self.bank = versions.bank
+        self.tokenizer = tokenizer
+        self.max_rows = max_rows
+        self.prefill_tokens = prefill_tokens
+        model = adapted.model
+        config = model.config.get_text_config(decoder=True)
+        self._check_supported(config)
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        if self.lm_head is None:
+            raise NotImplementedError(f"{type(model).__name__} has no output embedding (lm_head)")
+        vocab = int(model.get_input_embeddings().num_embeddings)
+        context = int(getattr(config, "max_position_embeddings", 0) or 0)
+        if context < 2:
+            raise ValueError("the model config has no usable max_position_embeddings")
+        self.limits = ModelLimits(
+            vocab_size=vocab,
+            context=context,
+            eos_token_ids=_eos_ids(model, tokenizer, vocab),
+            has_tokenizer=tokenizer is not None,
+        )
+        self.device = self.bank.params.device
+        self.dtype = next(model.parameters()).dtype
+        self._additive_mask = config._attn_implementation == "eager"
+        self.cache = RowCache(int(config.num_hidden_layers), max_rows)
+        self._lock = threading.Lock()
+        self.last_traces: list[SequenceTrace] = []
+        self._check_logits_path()
+
+    # ------------------------------------------------------------------ set-up checks
+    @staticmethod
+    def _check_supported(config: Any) -> None:
+        layer_types = getattr(config, "layer_types", None) or []
+        odd = sorted({t for t in layer_types if t != "full_attention"})
+        if odd:
+            raise NotImplementedError(f"layer types {odd} (e.g. sliding windows) are not supported by the row cache")
+        if config._attn_implementation not in ("sdpa", "eager"):
+            raise NotImplementedError(
+                f"attention implementation {config._attn_implementation!r}: the sampler passes explicit "
+                "4-D masks, which it only builds for 'sdpa' and 'eager'"
+            )
+
+    @torch.no_grad()
+    def _check_logits_path(self) -> None:
+        """The engine computes logits as lm_head(decoder(x)) on selected positions only; refuse
+        models whose forward does more (logit soft-capping, scaling), instead of sampling wrong."""
+        ids = torch.arange(min(3, self.limits.vocab_size), device=self.device).unsqueeze(0)
+        base = torch.zeros_like(ids)
+        with self.adapted.routing(self.bank.name, base):
+            full = self.adapted.model(input_ids=ids).logits
+            split = self.lm_head(self.decoder(input_ids=ids).last_hidden_state)
+        if not torch.allclose(full.float(), split.float(), atol=1e-3, rtol=1e-3):
+            raise NotImplementedError(
+                f"{type(self.adapted.model).__name__} does not compute logits as lm_head(hidden states); "
+                "the sampler cannot serve it"
+            )
+
+    def release_cache(self) -> None:
+        """Frees the KV buffers between sampling phases (they come back on the next generate)."""
+        with self._lock:
+            self.cache.release()
+
+    # ------------------------------------------------------------------ public
+    @torch.no_grad()
+    def generate(self, requests: Sequence[SampleRequest]) -> list[SampleResult]:
+        """One result per request, in order. Never raises for a bad request (see its `error`)."""
+        with self._lock:
+            return self._generate(list(requests))
+
+    def _generate(self, requests: list[SampleRequest]) -> list[SampleResult]:
+        prepared = prepare_all(requests, self.limits)
+        results: list[SampleResult | None] = [None] * len(requests)
+        waiting: deque[tuple[_Group, int]] = deque()
+        for index, item in enumerate(prepared):
+            if isinstance(item, SampleError):
+                results[index] = SampleResult([], adapter=getattr(requests[index], "adapter", None), error=item)
+                continue
+            group = _Group(request=item, remaining=item.num_samples, sequences=[None] * item.num_samples)
+            waiting.extend((group, s) for s in range(item.num_samples))
+        active: list[_Seq] = []
+        traces: list[SequenceTrace] = []
+        step = 0
+        try:
+            while waiting or active:
+                step += 1
+                admitted = self._admit(waiting, active, step, results)
+                if admitted:
+                    self._prefill(admitted, active)
+                    self._retire(active, step, results, traces)
+                if active:
+                    self._decode(active)
+                    self._retire(active, step, results, traces)
+                elif not admitted and waiting:
+                    self._fail_stuck(waiting, results)
+        finally:
+            for group in {id(g): g for g, _ in waiting}.values():
+                self._unpin(group)
+            for seq in active:
+                self._unpin(seq.group)
+        self.last_traces = traces
+        assert all(r is not None for r in results)
+        return [r for r in results if r is not None]
+
+    # ------------------------------------------------------------------ scheduling
+    def _admit(
+        self, waiting: deque[tuple[_Group, int]], active: list[_Seq], step: int, results: list[SampleResult | None]
+    ) -> list[_Seq]:
+        """Moves waiting sequences into free rows, in order, skipping requests whose version
+        cannot be made resident right now (they wait for slots to unpin)."""
+        free = self.max_rows - len(active)
+        admitted: list[_Seq] = []
+        prefill_groups: list[_Group] = []
+        longest = 0
+        deferred: list[tuple[_Group, int]] = []
+        blocked: set[int] = set()
+        while waiting and free > 0:
+            group, sample = waiting.popleft()
+            if group.error is not None:
+                continue
+            if id(group) in blocked:
+                deferred.append((group, sample))
+                continue
+            if group not in prefill_groups:
+                new_longest = max(longest, group.request.prompt_len)
+                if prefill_groups and new_longest * (len(prefill_groups) + 1) > self.prefill_tokens:
+                    waiting.appendleft((group, sample))
+                    break
+                if not group.pinned and not self._pin(group, results):
+                    if group.error is None:
+                        blocked.add(id(group))
+                        deferred.append((group, sample))
+                    continue
+                prefill_groups.append(group)
+                longest = new_longest
+            request = group.request
+            admitted.append(
+                _Seq(
+                    group=group,
+                    sample=sample,
+                    generator=sequence_generator(request.seed, sample),
+                    stop=StopChecker(request.stop, self.tokenizer),
+                    admitted_step=step,
+                    topk=[] if request.topk_sample else None,
+                )
+            )
+            free -= 1
+        waiting.extendleft(reversed(deferred))
+        return admitted
+
+    def _pin(self, group: _Group, results: list[SampleResult | None]) -> bool:
+        key = group.request.adapter
+        if key is None:
+            group.slot, group.pinned = BASE_SLOT, True
+            return True
+        try:
+            group.slot = self.versions.acquire(key)
+        except NoFreeSlotError:
+            return False
+        except UnknownVersionError as exc:
+            self._fail(group, SampleError("unknown_version", str(exc)), results)
+            return False
+        except VersionUnavailableError as exc:
+            self._fail(group, SampleError("version_unavailable", str(exc)), results)
+            return False
+        group.pinned = True
+        return True
+
+    def _unpin(self, group: _Group) -> None:
+        if group.pinned:
+            group.pinned = False
+            if group.request.adapter is not None:
+                self.versions.release(group.request.adapter)
+
+    def _fail(self, group: _Group, error: SampleError, results: list[SampleResult | None]) -> None:
+        group.error = error
+        results[group.request.index] = SampleResult([], adapter=group.request.adapter, error=error)
+
+    def _fail_stuck(self, waiting: deque[tuple[_Group, int]], results: list[SampleResult | None]) -> None:
+        """Nothing runs and nothing could be admitted: the remaining versions cannot get a slot."""
+        while waiting:
+            group, _ = waiting.popleft()
+            if group.error is None:
+                self._fail(
+                    group,
+                    SampleError(
+                        "version_unavailable",
+                        f"version {group.request.adapter!r}: no sampler slot could be freed for it "
+                        f"(capacity {self.versions.capacity}, all pinned elsewhere)",
+                    ),
+                    results,
+                )
+
+    # ------------------------------------------------------------------ forwards
+    def _forward(
+        self,
+        rows: slice,
+        input_ids: torch.Tensor,
+        starts: torch.Tensor,
+        row_slots: torch.Tensor,
+        pick_rows: torch.Tensor,
+        pick_pos: torch.Tensor,
+    ) -> torch.Tensor:
+        """Runs rows `rows` of the pool on `input_ids` [n, q]; fp32 logits of (pick_rows, pick_pos)."""
+        n, q = input_ids.shape
+        _, mask, positions = self.cache.plan(rows, starts, q, dtype=self.dtype, additive=self._additive_mask)
+        slot_ids = row_slots.unsqueeze(1).expand(n, q)
+        try:
+            with self.adapted.routing(self.bank.name, slot_ids):
+                hidden = self.decoder(
+                    input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=self.cache, use_cache=True
+                ).last_hidden_state
+        finally:
+            self.cache.finish()
+        picked = hidden[pick_rows, pick_pos]
+        with self.adapted.routing(self.bank.name, row_slots[pick_rows]):
+            return self.lm_head(picked).float()
+
+    def _prefill(self, admitted: list[_Seq], active: list[_Seq]) -> None:
+        """Runs each admitted request's prompt once, fans its KV out to its other new rows and
+        samples every new sequence's first token."""
+        leaders: dict[int, _Seq] = {}
+        for seq in admitted:
+            leaders.setdefault(id(seq.group), seq)
+        ordered = list(leaders.values()) + [s for s in admitted if leaders[id(s.group)] is not s]
+        first_row = len(active)
+        groups = [seq.group for seq in leaders.values()]
+        longest = max(g.request.prompt_len for g in groups)
+        input_ids = torch.zeros(len(groups), longest, dtype=torch.int64)
+        pick_rows: list[int] = []
+        pick_pos: list[int] = []
+        last_pick: list[int] = []
+        all_positions: list[bool] = []
+        for b, group in enumerate(groups):
+            prompt = group.request.prompt
+            input_ids[b, : prompt.numel()] = prompt
+            # Prompt log-probs are recorded once per request, on its first prefill.
+            wants_all = group.request.needs_prompt_logits and not group.prompt_recorded
+            positions = range(prompt.numel()) if wants_all else [prompt.numel() - 1]
+            pick_rows.extend([b] * len(positions))
+            pick_pos.extend(positions)
+            last_pick.append(len(pick_pos) - 1)
+            all_positions.append(wants_all)
+        device = self.device
+        logits = self._forward(
+            slice(first_row, first_row + len(groups)),
+            input_ids.to(device),
+            torch.zeros(len(groups), dtype=torch.int64, device=device),
+            torch.tensor([g.slot for g in groups], dtype=torch.int64, device=device),
+            torch.tensor(pick_rows, device=device),
+            torch.tensor(pick_pos, device=device),
+        )
+        logprobs = torch.log_softmax(logits, dim=-1)
+        for b, group in enumerate(groups):
+            if all_positions[b]:
+                first = last_pick[b] + 1 - group.request.prompt_len
+                self._record_prompt_logprobs(group, logprobs[first : last_pick[b]])
+        leader_index = {id(g): b for b, g in enumerate(groups)}
+        for offset, seq in enumerate(ordered):
+            seq.length = seq.group.request.prompt_len
+            if offset >= len(groups):
+                self.cache.copy_row(first_row + leader_index[id(seq.group)], first_row + offset, seq.length)
+            active.append(seq)
+        picks = torch.tensor([last_pick[leader_index[id(s.group)]] for s in ordered], device=device)
+        self._sample(ordered, logits[picks], logprobs[picks])
+
+    def _record_prompt_logprobs(self, group: _Group, predicting: torch.Tensor) -> None:
+        """`predicting[i]` is the distribution after prompt[: i + 1], i.e. over prompt[i + 1]."""
+        request = group.request
+        group.prompt_recorded = True
+        targets = request.prompt[1:].to(predicting.device)
+        values = gather_logprobs(predicting, targets).tolist() if targets.numel() else []
+        if request.prompt_logprobs:
+            group.prompt_logprobs = [None, *values]
+        if request.topk_prompt:
+            group.topk_prompt = [None, *topk_lists(predicting, request.topk_prompt)] if targets.numel() else [None]
+
+    def _decode(self, active: list[_Seq]) -> None:
+        device = self.device
+        n = len(active)
+        input_ids = torch.tensor([[s.tokens[-1]] for s in active], dtype=torch.int64, device=device)
+        starts = torch.tensor([s.length for s in active], dtype=torch.int64, device=device)
+        slots = torch.tensor([s.group.slot for s in active], dtype=torch.int64, device=device)
+        rows = torch.arange(n, device=device)
+        logits = self._forward(slice(0, n), input_ids, starts, slots, rows, torch.zeros_like(rows))
+        for seq in active:
+            seq.length += 1
+        self._sample(active, logits, torch.log_softmax(logits, dim=-1))
+
+    def _sample(self, seqs: list[_Seq], logits: torch.Tensor, logprobs: torch.Tensor) -> None:
+        requests = [s.group.request for s in seqs]
+        tokens = choose_tokens(
+            logits,
+            [r.temperature for r in requests],
+            [r.top_k for r in requests],
+            [r.top_p for r in requests],
+            [s.generator for s in seqs],
+        )
+        chosen = gather_logprobs(logprobs, tokens).tolist()
+        token_list = tokens.tolist()
+        for i, seq in enumerate(seqs):
+            seq.tokens.append(token_list[i])
+            seq.logprobs.append(chosen[i])
+            if seq.topk is not None:
+                seq.topk.extend(topk_lists(logprobs[i : i + 1], seq.group.request.topk_sample))
+            if seq.stop.update(seq.tokens):
+                seq.stop_reason = "stop"
+            elif len(seq.tokens) >= seq.group.request.max_new_tokens:
+                seq.stop_reason = "length"
+
+    def _retire(
+        self, active: list[_Seq], step: int, results: list[SampleResult | None], traces: list[SequenceTrace]
+    ) -> None:
+        """Removes finished rows, moving the last running row into each hole."""
+        for row in range(len(active) - 1, -1, -1):
+            seq = active[row]
+            if seq.stop_reason is None:
+                continue
+            last = len(active) - 1
+            if row != last:
+                self.cache.copy_row(last, row, active[last].length)
+                active[row] = active[last]
+            active.pop()
+            self._complete(seq, step, results, traces)
+
+    def _complete(self, seq: _Seq, step: int, results: list[SampleResult | None], traces: list[SequenceTrace]) -> None:
+        group = seq.group
+        request = group.request
+        assert seq.stop_reason is not None
+        group.sequences[seq.sample] = SampledSequence(
+            tokens=seq.tokens,
+            logprobs=seq.logprobs,
+            stop_reason=seq.stop_reason,
+            adapter=request.adapter,
+            topk_logprobs=seq.topk,
+        )
+        traces.append(SequenceTrace(request.index, seq.sample, seq.admitted_step, step, len(seq.tokens)))
+        group.remaining -= 1
+        if group.remaining == 0:
+            self._unpin(group)
+            results[request.index] = SampleResult(
+                sequences=[s for s in group.sequences if s is not None],
+                adapter=request.adapter,
+                prompt_logprobs=group.prompt_logprobs,
+                topk_prompt_logprobs=group.topk_prompt,
+            )

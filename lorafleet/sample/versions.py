@@ -1,0 +1,260 @@
+"""Published adapter versions, as the sampler sees them.
+
+Publishing copies a trainer slot's row into a slot of the sampler's bank set (an in-process
+tensor sync). From then on `(adapter_id, version)` is immutable: training continues in the
+trainer slot and never touches the copy, so a sample started on version v finishes on v.
+
+Sampler slots are a bounded LRU: publishing or loading when all slots are taken evicts the
+least recently used version that no in-flight sequence has pinned. A version published or
+registered with a path (a training-state checkpoint dir or a PEFT dir) is reloaded from its
+files on demand after eviction, so a saved version is never "not found". A version without
+files is gone once evicted, and asking for it says exactly that.
+
+Thread-safe: a trainer thread may publish while a sampler thread acquires and releases.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from lorafleet.adapters.checkpoint import STATE_NAME, CheckpointError, restore_training_state
+from lorafleet.adapters.peft_io import CONFIG_NAME, PeftFormatError, import_peft
+from lorafleet.fsio import PathLike
+from lorafleet.model.banks import BankError, BankSet
+from lorafleet.sample.types import VersionKey
+
+SourceKind = Literal["training_state", "peft"]
+
+
+class VersionError(LookupError):
+    """Base class of version-store errors."""
+
+
+class UnknownVersionError(VersionError):
+    """No such (adapter_id, version) was ever published or registered."""
+
+
+class VersionUnavailableError(VersionError):
+    """The version existed but cannot be served (evicted without files, or its files are bad)."""
+
+
+class NoFreeSlotError(VersionError):
+    """Every sampler slot holds a version that in-flight sequences are using; retry later."""
+
+
+@dataclass
+class VersionInfo:
+    adapter_id: str
+    version: int
+    path: Path | None
+    kind: SourceKind | None
+    slot: int | None  # sampler slot while resident
+    pins: int = 0
+    last_used: int = 0
+
+    @property
+    def key(self) -> VersionKey:
+        return (self.adapter_id, self.version)
+
+
+def detect_kind(path: Path) -> SourceKind:
+    """Which saved format `path` holds; raises VersionError when it is neither."""
+    if (path / STATE_NAME).is_file():
+        return "training_state"
+    if (path / CONFIG_NAME).is_file():
+        return "peft"
+    raise VersionError(f"{path} is neither a training-state checkpoint ({STATE_NAME}) nor a PEFT dir ({CONFIG_NAME})")
+
+
+def _check_key(adapter_id: object, version: object) -> VersionKey:
+    if not isinstance(adapter_id, str) or not adapter_id:
+        raise ValueError(f"adapter_id must be a non-empty string, got {adapter_id!r}")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise ValueError(f"version must be an integer >= 0, got {version!r}")
+    return (adapter_id, version)
+
+
+class VersionStore:
+    """(adapter_id, version) -> sampler slot, with pinning and LRU eviction."""
+
+    def __init__(self, bank: BankSet, *, base_model_id: str, capacity: int | None = None):
+        if bank.trainable:
+            raise ValueError(f"bank {bank.name!r} is trainable; samplers use an inference-only bank")
+        max_capacity = bank.num_slots - 1
+        capacity = max_capacity if capacity is None else capacity
+        if not 1 <= capacity <= max_capacity:
+            raise ValueError(f"capacity must be in [1, {max_capacity}] for bank {bank.name!r}, got {capacity}")
+        if bank.used_slots():
+            raise ValueError(f"bank {bank.name!r} already holds adapters; a VersionStore needs it to itself")
+        self.bank = bank
+        self.base_model_id = base_model_id
+        self.capacity = capacity
+        self._versions: dict[VersionKey, VersionInfo] = {}
+        self._clock = 0
+        self._lock = threading.RLock()
+
+    # ------------------------------------------------------------------ queries
+    def info(self, key: VersionKey) -> VersionInfo:
+        with self._lock:
+            return self._get(key)
+
+    def latest(self, adapter_id: str) -> VersionKey:
+        with self._lock:
+            versions = [v for (a, v) in self._versions if a == adapter_id]
+            if not versions:
+                raise UnknownVersionError(f"adapter {adapter_id!r} has no published version")
+            return (adapter_id, max(versions))
+
+    def resident(self) -> list[VersionKey]:
+        with self._lock:
+            return [k for k, info in self._versions.items() if info.slot is not None]
+
+    def _get(self, key: VersionKey) -> VersionInfo:
+        info = self._versions.get(key)
+        if info is None:
+            raise UnknownVersionError(
+                f"adapter version {key!r} was never published or registered on this sampler"
+            )
+        return info
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    # ------------------------------------------------------------------ adding
+    def _new_key(self, adapter_id: str, version: int | None) -> VersionKey:
+        if version is None:
+            existing = [v for (a, v) in self._versions if a == adapter_id]
+            version = max(existing) + 1 if existing else 0
+        key = _check_key(adapter_id, version)
+        if key in self._versions:
+            raise VersionError(f"version {key!r} is already published; versions are immutable")
+        return key
+
+    def publish(
+        self,
+        adapter_id: str,
+        source: BankSet,
+        source_slot: int,
+        *,
+        version: int | None = None,
+        path: PathLike | None = None,
+    ) -> VersionKey:
+        """Copies trainer slot `source_slot` into a sampler slot as a new immutable version.
+
+        `version` None = one past this adapter's latest. `path` (the same weights saved on
+        disk) lets the version come back after eviction.
+        """
+        with self._lock:
+            key = self._new_key(adapter_id, version)
+            saved = Path(path) if path is not None else None
+            kind = detect_kind(saved) if saved is not None else None
+            source.check_slot(source_slot)
+            slot = self._claim_slot()
+            try:
+                self.bank.copy_slot_from(source, source_slot, slot)
+            except BaseException:
+                if self.bank.slots[slot] is not None:
+                    self.bank.free(slot)
+                raise
+            self._versions[key] = VersionInfo(*key, path=saved, kind=kind, slot=slot, last_used=self._tick())
+            return key
+
+    def register(self, adapter_id: str, version: int, path: PathLike) -> VersionKey:
+        """Makes a saved version servable without loading it now (e.g. after a restart)."""
+        with self._lock:
+            key = self._new_key(adapter_id, version)
+            saved = Path(path)
+            kind = detect_kind(saved)
+            self._versions[key] = VersionInfo(*key, path=saved, kind=kind, slot=None)
+            return key
+
+    def set_path(self, key: VersionKey, path: PathLike) -> None:
+        """Records that a published version was saved afterwards (e.g. save_weights_for_sampler)."""
+        with self._lock:
+            info = self._get(key)
+            saved = Path(path)
+            info.kind = detect_kind(saved)
+            info.path = saved
+
+    # ------------------------------------------------------------------ pinning
+    def acquire(self, key: VersionKey) -> int:
+        """Pins `key` and returns its sampler slot, loading it from its files if evicted.
+
+        Raises UnknownVersionError, VersionUnavailableError, or NoFreeSlotError (transient:
+        every slot is pinned by running sequences).
+        """
+        with self._lock:
+            info = self._get(key)
+            if info.slot is None:
+                self._load(info)
+            assert info.slot is not None
+            info.pins += 1
+            info.last_used = self._tick()
+            return info.slot
+
+    def release(self, key: VersionKey) -> None:
+        with self._lock:
+            info = self._get(key)
+            if info.pins <= 0:
+                raise VersionError(f"version {key!r} released more often than acquired")
+            info.pins -= 1
+
+    # ------------------------------------------------------------------ removal
+    def evict(self, key: VersionKey) -> None:
+        """Frees the version's slot; it stays known (and reloadable if it has files)."""
+        with self._lock:
+            info = self._get(key)
+            if info.pins:
+                raise VersionError(f"version {key!r} is in use by {info.pins} sequence(s); cannot evict it")
+            if info.slot is not None:
+                self.bank.free(info.slot)
+                info.slot = None
+
+    def drop(self, key: VersionKey) -> None:
+        """Forgets the version entirely (e.g. its sync failed verification)."""
+        with self._lock:
+            self.evict(key)
+            del self._versions[key]
+
+    # ------------------------------------------------------------------ internals
+    def _claim_slot(self) -> int:
+        """A free sampler slot, evicting the least recently used unpinned version if needed."""
+        in_use = sum(1 for info in self._versions.values() if info.slot is not None)
+        free = self.bank.free_slots()
+        if in_use < self.capacity and free:
+            return free[0]
+        candidates = [i for i in self._versions.values() if i.slot is not None and i.pins == 0]
+        if not candidates:
+            raise NoFreeSlotError(
+                f"all {self.capacity} sampler slots hold versions that running sequences use"
+            )
+        victim = min(candidates, key=lambda i: i.last_used)
+        assert victim.slot is not None
+        slot = victim.slot
+        self.bank.free(slot)
+        victim.slot = None
+        return slot
+
+    def _load(self, info: VersionInfo) -> None:
+        if info.path is None:
+            raise VersionUnavailableError(
+                f"version {info.key!r} was evicted from the sampler and was never saved to disk; "
+                "publish it with a path (or save it) to make it reloadable"
+            )
+        if not info.path.is_dir():
+            raise VersionUnavailableError(f"version {info.key!r}: its files at {info.path} are gone")
+        slot = self._claim_slot()
+        try:
+            if info.kind == "training_state":
+                restore_training_state(
+                    info.path, bank=self.bank, optimizer=None, base_model_id=self.base_model_id, slot=slot
+                )
+            else:
+                import_peft(self.bank, info.path, slot=slot)
+        except (CheckpointError, PeftFormatError, BankError, OSError) as exc:
+            raise VersionUnavailableError(f"version {info.key!r}: cannot load {info.path}: {exc}") from exc
+        info.slot = slot
