@@ -11,7 +11,7 @@ from lorafleet.model.targets import resolve_tinker_targets
 from lorafleet.sample import SampleEngine, SampleRequest, SamplingParams
 from lorafleet.sample.colocate import Colocated, colocate
 from lorafleet.train.engine import TrainItem
-from tests._models import tiny_qwen3
+from tests._models import tiny_llama, tiny_qwen3
 
 VOCAB = 96
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, stop=[])
@@ -162,8 +162,9 @@ def test_continuous_batching_refills_rows_and_matches_the_unconstrained_run():
     wide = stack.sampler.generate(requests)
     narrow_engine = SampleEngine(stack.adapted, stack.versions, max_rows=2)
     narrow = narrow_engine.generate(requests)
-    for a, b in zip(wide, narrow, strict=True):
-        assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
+    one_prompt_per_prefill = SampleEngine(stack.adapted, stack.versions, max_rows=4, prefill_tokens=1).generate(requests)
+    for a, b, c in zip(wide, narrow, one_prompt_per_prefill, strict=True):
+        assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences] == [s.tokens for s in c.sequences]
         for sa, sb in zip(a.sequences, b.sequences, strict=True):
             torch.testing.assert_close(torch.tensor(sa.logprobs), torch.tensor(sb.logprobs), atol=1e-5, rtol=0)
     traces = narrow_engine.last_traces
@@ -212,3 +213,29 @@ def test_bad_requests_fail_alone_and_leave_the_others_identical(stack4):
     assert "vocabulary" in messages[8] and "max_tokens" in messages[9] and "num_samples" in messages[10]
     assert "tokenizer" in messages[11]
     assert all(r.sequences == [] for r in got_bad)
+
+
+@pytest.mark.parametrize("arch", ["llama-tied-odd-sizes", "qwen3-eager"])
+def test_other_architectures_and_eager_attention_match_solo_runs(arch):
+    model = tiny_llama() if arch.startswith("llama") else tiny_qwen3()
+    if arch.endswith("eager"):
+        model.set_attn_implementation("eager")
+    stack = colocate(model, resolve_tinker_targets(model), base_model_id="tiny", r_max=8, sample_slots=3)
+    keys = []
+    for i in range(2):
+        slot = stack.trainer.create_adapter(AdapterSpec(rank=3, alpha=6.0, seed=i))
+        randomize(stack, slot, seed=i)
+        keys.append(stack.versions.publish(f"a{i}", stack.trainer.bank, slot))
+    requests = [SampleRequest(prompt(70 + i, 3 + i), GREEDY, adapter=a, prompt_logprobs=True)
+                for i, a in enumerate([*keys, None])]
+    mixed = stack.sampler.generate(requests)
+    for request, result in zip(requests, mixed, strict=True):
+        (alone,) = stack.sampler.generate([request])
+        assert result.sequences[0].tokens == alone.sequences[0].tokens
+    # And the sampled log-probs are the trainer's (prompt + sampled tokens, adapter 0).
+    seq = mixed[0].sequences[0]
+    full = torch.tensor(requests[0].prompt + seq.tokens)
+    item = TrainItem(1, full[:-1], "cross_entropy", {"target_tokens": full[1:], "weights": torch.ones(len(full) - 1)})
+    trained = stack.trainer.forward([item]).items[0].logprobs
+    expected = torch.cat([torch.tensor(mixed[0].prompt_logprobs[1:]), torch.tensor(seq.logprobs)])
+    torch.testing.assert_close(expected, trained, atol=1e-4, rtol=0)

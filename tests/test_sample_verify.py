@@ -7,7 +7,12 @@ import torch
 
 from lorafleet.model.banks import AdapterSpec
 from lorafleet.model.targets import resolve_tinker_targets
-from lorafleet.sample import SyncVerificationError, UnknownVersionError, canary_check, publish_verified
+from lorafleet.sample import (
+    SyncVerificationError,
+    UnknownVersionError,
+    canary_check,
+    publish_verified,
+)
 from lorafleet.sample.colocate import Colocated, colocate
 from tests._models import tiny_qwen3
 

@@ -199,3 +199,19 @@ def test_slot_without_gradient_is_not_moved_and_others_untouched():
     assert torch.equal(engine.bank.params[b], params_b)
     assert metrics[a]["grad_norm"] > 0
     assert engine.optimizer.slot_step(a) == 1 and engine.optimizer.slot_step(b) == 0
+
+
+def test_topk_cross_entropy_targets_gather_k_logprobs_per_position():
+    """[T, K] targets (the cookbook's top-k distillation) next to ordinary [T] items."""
+    engine = make_engine()
+    slot = engine.create_adapter(AdapterSpec(rank=4, alpha=8.0, seed=1))
+    tokens = torch.tensor([3, 7, 11, 5])
+    topk = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12]])
+    weights = torch.rand(4, 3)
+    item = TrainItem(slot, tokens, "cross_entropy", {"target_tokens": topk, "weights": weights})
+    out = engine.forward_backward([sft_item(slot, 1), item])
+    assert out.items[1].logprobs.shape == (4, 3)
+    with torch.no_grad(), engine.adapted.routing("train", torch.full((1, 4), slot)):
+        logp = torch.log_softmax(engine.adapted.model(tokens.unsqueeze(0)).logits[0], -1)
+    torch.testing.assert_close(out.items[1].logprobs, logp.gather(-1, topk), atol=1e-5, rtol=1e-5)
+    assert out.items[1].metrics["loss:sum"] == pytest.approx(float(-(logp.gather(-1, topk) * weights).sum()), rel=1e-5)

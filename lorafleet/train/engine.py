@@ -207,10 +207,8 @@ class TrainEngine:
     def _run(self, prepared: list[PreparedItem], *, backward: bool) -> BatchOutput:
         outputs: list[ItemOutput | None] = [None] * len(prepared)
         batches = plan_microbatches([p.length for p in prepared], self.token_budget)
-        # All micro-batches run forward before any gradient lands, so a non-finite loss found
-        # in a later micro-batch cannot leave earlier ones half-applied: keep per-batch graphs
-        # only when one batch is enough; otherwise check finiteness per batch before backward
-        # and roll back gradients already accumulated by this call on failure.
+        # Each micro-batch checks its losses before its backward; if a later one fails, the
+        # gradients earlier ones already added are rolled back, so the call is all or nothing.
         snapshot = None
         if backward and len(batches) > 1:
             slots = sorted({p.slot for p in prepared})
