@@ -82,8 +82,8 @@ def main() -> None:
     )
     mixed, single, peft = (timings[k]["min_s"] for k in timings)
     report(
-        "banks: fwd+bwd, SmolLM2-135M shapes, bf16, 8 adapters x 2 x %d tokens, rank %d, kernel %s"
-        % (args.seq_len, args.rank, adapted.kernel),
+        f"banks: fwd+bwd, SmolLM2-135M shapes, bf16, 8 adapters x 2 x {args.seq_len} tokens, "
+        f"rank {args.rank}, kernel {adapted.kernel}",
         timings,
         {"mixed_over_single": (mixed / single, "<= 1.10"), "mixed_over_peft_sequential": (mixed / peft, "<= 0.8")},
         args.json,

@@ -77,11 +77,66 @@ def _register_demo(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=_cmd_demo)
 
 
+# --------------------------------------------------------------------------- serve
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+    from pathlib import Path
+
+    from lorafleet.server.auth import load_keys
+    from lorafleet.server.executor import EngineConfig
+    from lorafleet.server.main import serve
+    from lorafleet.server.service import ServerConfig
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = EngineConfig(
+        base_model=args.base_model,
+        dtype=args.dtype,
+        max_adapters=args.max_adapters,
+        sampler_slots=args.sampler_slots,
+        max_lora_rank=args.max_lora_rank,
+        lora_alpha=args.lora_alpha,
+    )
+    config = ServerConfig(
+        base_model=args.base_model,
+        data_dir=Path(args.data_dir),
+        api_keys=load_keys(args.api_key_file),
+        host=args.host,
+        port=args.port,
+        engine=engine,
+        torch_threads=args.torch_threads,
+        batch_window_s=args.batch_window_ms / 1000.0,
+    )
+    serve(config)
+    return 0
+
+
+def _register_serve(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("serve", help="serve the Tinker API (SDK 0.38) for many tenants' adapters")
+    parser.add_argument("--base-model", required=True, help="preset name or local HF model directory")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--data-dir", required=True, help="SQLite state and adapter files (created 0700)")
+    parser.add_argument("--api-key-file", default=None, help="file with one tml-... key per line (adds to $LORAFLEET_API_KEYS)")
+    parser.add_argument("--dtype", default="float32", help="float32 or bfloat16")
+    parser.add_argument("--max-adapters", type=int, default=8, help="training adapters held at once")
+    parser.add_argument("--sampler-slots", type=int, default=16, help="sampler versions held in memory at once")
+    parser.add_argument("--max-lora-rank", type=int, default=32)
+    parser.add_argument("--lora-alpha", type=float, default=32.0)
+    parser.add_argument("--torch-threads", type=int, default=None)
+    parser.add_argument(
+        "--batch-window-ms", type=float, default=5.0, help="wait this long for more requests before each engine round"
+    )
+    parser.set_defaults(func=_cmd_serve)
+
+
 # --------------------------------------------------------------------------- entry point
 
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _register_models,
     _register_demo,
+    _register_serve,
 ]
 
 

@@ -298,3 +298,18 @@ def test_deepcopy_free_state_dict_names_are_the_base_ones():
     adapted.add_bank("train", num_slots=2, r_max=4)
     names_after = {k.replace(".base_layer", "") for k in adapted.model.state_dict()}
     assert names_after == names_before
+
+
+def test_targets_resolve_the_same_after_wrapping_and_double_wrap_is_refused():
+    model = tiny_qwen3()
+    before = {
+        flags: resolve_tinker_targets(model, train_attn=flags[0], train_mlp=flags[1], train_unembed=flags[2])
+        for flags in [(True, True, True), (True, False, False), (False, True, False), (False, False, True)]
+    }
+    all_linear = resolve_target_modules(model, "all-linear")
+    adapted = AdaptedModel(model, before[(True, True, True)])
+    for flags, paths in before.items():
+        assert resolve_tinker_targets(model, train_attn=flags[0], train_mlp=flags[1], train_unembed=flags[2]) == paths
+    assert resolve_target_modules(model, "all-linear") == all_linear
+    with pytest.raises(TargetError, match="already carries adapter banks"):
+        AdaptedModel(adapted.model, ["lm_head"])

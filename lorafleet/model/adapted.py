@@ -41,6 +41,8 @@ class AdaptedModel:
             parent_path, _, child_name = path.rpartition(".")
             parent = model.get_submodule(parent_path) if parent_path else model
             base = getattr(parent, child_name)
+            if isinstance(base, LoRALinear):
+                raise TargetError(f"{path!r} already carries adapter banks; wrap a model only once")
             wrapper = LoRALinear(base, path, self.scope, kernel)
             setattr(parent, child_name, wrapper)
             self.layers[path] = wrapper

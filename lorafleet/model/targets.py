@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from lorafleet.model.banks import LoRALinear
+
 ALL_LINEAR = "all-linear"
 
 
@@ -70,16 +72,18 @@ def linear_layers(model: nn.Module) -> dict[str, LinearInfo]:
     def visit(module: nn.Module, path: str, in_attention: bool) -> None:
         for child_name, child in module.named_children():
             child_path = f"{path}.{child_name}" if path else child_name
-            if isinstance(child, nn.Linear):
+            # An already wrapped layer is still the same linear layer at the same path.
+            linear = child.base_layer if isinstance(child, LoRALinear) else child
+            if isinstance(linear, nn.Linear):
                 if child_path in routers:
                     continue
-                if child is unembed:
+                if child is unembed or linear is unembed:
                     role = "unembed"
                 elif in_attention:
                     role = "attn"
                 else:
                     role = "mlp"
-                infos[child_path] = LinearInfo(child_path, child.in_features, child.out_features, role)
+                infos[child_path] = LinearInfo(child_path, linear.in_features, linear.out_features, role)
             else:
                 visit(child, child_path, in_attention or _is_attention(child))
 

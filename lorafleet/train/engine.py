@@ -28,7 +28,6 @@ from lorafleet.adapters.checkpoint import (
 from lorafleet.adapters.peft_io import export_peft, import_peft
 from lorafleet.model.adapted import AdaptedModel
 from lorafleet.model.banks import AdapterSpec, BankSet
-from lorafleet.model.routing import BASE_SLOT
 from lorafleet.train.losses import (
     LossSpec,
     compute_loss,

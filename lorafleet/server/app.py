@@ -1,0 +1,192 @@
+"""FastAPI routes for the Tinker API (SDK 0.38): thin wrappers that authenticate, read the body
+and call `Service`. Every error leaves as JSON `{"error", "category"}` with a 4xx/5xx status,
+never as an empty 400 (which the SDK would mistake for a proxy glitch and retry)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from lorafleet.server import schemas
+from lorafleet.server.auth import Tenant
+from lorafleet.server.errors import ApiError, UserError
+from lorafleet.server.service import Service
+
+log = logging.getLogger(__name__)
+API = "/api/v1"
+
+
+def create_app(service: Service) -> FastAPI:
+    app = FastAPI(title="lorafleet", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.service = service
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return JSONResponse({"error": message, "category": "user"}, status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_params(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:5])
+        return JSONResponse({"error": f"{request.url.path}: {problems}", "category": "user"}, status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, exc: Exception) -> JSONResponse:
+        log.error("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
+        body = {"error": f"internal server error: {type(exc).__name__}: {exc}", "category": "server"}
+        return JSONResponse(body, status_code=500)
+
+    def tenant(request: Request) -> Tenant:
+        return service.authenticate(request.headers.get("x-api-key"))
+
+    async def raw_body(request: Request) -> bytes:
+        limit = service.config.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise UserError(f"request body of {declared} bytes is larger than this server's limit of {limit}", status=413)
+        data = await request.body()
+        if len(data) > limit:
+            raise UserError(f"request body of {len(data)} bytes is larger than this server's limit of {limit}", status=413)
+        return data
+
+    async def body(request: Request) -> Any:
+        return schemas.parse_json(await raw_body(request))
+
+    # ------------------------------------------------------------------ service
+    @app.get(f"{API}/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.post(f"{API}/client/config")
+    async def client_config(request: Request) -> dict[str, Any]:
+        tenant(request)
+        return service.client_config()
+
+    @app.post(f"{API}/client/dynamic_config")
+    async def dynamic_config(request: Request) -> dict[str, Any]:
+        tenant(request)
+        return service.dynamic_config()
+
+    @app.get(f"{API}/get_server_capabilities")
+    async def capabilities(request: Request) -> dict[str, Any]:
+        tenant(request)
+        return service.capabilities()
+
+    @app.post(f"{API}/telemetry")
+    async def telemetry(request: Request) -> dict[str, str]:
+        tenant(request)
+        return {"status": "accepted"}
+
+    @app.get(f"{API}/lorafleet/stats")
+    async def stats(request: Request) -> dict[str, Any]:
+        tenant(request)
+        return service.stats()
+
+    # ------------------------------------------------------------------ sessions
+    @app.post(f"{API}/create_session")
+    async def create_session(request: Request) -> dict[str, Any]:
+        return service.create_session(tenant(request), await body(request))
+
+    @app.post(f"{API}/session_heartbeat")
+    async def session_heartbeat(request: Request) -> dict[str, Any]:
+        return service.heartbeat(tenant(request), await body(request))
+
+    @app.post(f"{API}/sessions/{{session_id}}/finish")
+    async def finish_session(session_id: str, request: Request) -> dict[str, Any]:
+        return service.finish_session(tenant(request), session_id, await body(request))
+
+    # ------------------------------------------------------------------ training
+    @app.post(f"{API}/create_model")
+    async def create_model(request: Request) -> dict[str, Any]:
+        return service.submit_create_model(tenant(request), await body(request))
+
+    @app.post(f"{API}/get_info")
+    async def get_info(request: Request) -> dict[str, Any]:
+        return service.get_info(tenant(request), await body(request))
+
+    @app.post(f"{API}/forward_backward")
+    async def forward_backward(request: Request) -> dict[str, Any]:
+        who = tenant(request)
+        return service.submit_forward_backward(who, await raw_body(request), request.headers.get("content-encoding"))
+
+    @app.post(f"{API}/optim_step")
+    async def optim_step(request: Request) -> dict[str, Any]:
+        return service.submit_optim_step(tenant(request), await body(request))
+
+    @app.post(f"{API}/save_weights")
+    async def save_weights(request: Request) -> dict[str, Any]:
+        return service.submit_save_weights(tenant(request), await body(request))
+
+    @app.post(f"{API}/save_weights_for_sampler")
+    async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
+        return service.submit_save_for_sampler(tenant(request), await body(request))
+
+    @app.post(f"{API}/load_weights")
+    async def load_weights(request: Request) -> dict[str, Any]:
+        return service.submit_load_weights(tenant(request), await body(request))
+
+    # ------------------------------------------------------------------ sampling
+    @app.post(f"{API}/create_sampling_session")
+    async def create_sampling_session(request: Request) -> dict[str, Any]:
+        return service.create_sampling_session(tenant(request), await body(request))
+
+    @app.get(f"{API}/samplers/{{sampler_id}}")
+    async def get_sampler(sampler_id: str, request: Request) -> dict[str, Any]:
+        return service.get_sampler(tenant(request), sampler_id)
+
+    @app.post(f"{API}/asample")
+    async def asample(request: Request) -> dict[str, Any]:
+        return service.submit_sample(tenant(request), await body(request))
+
+    # ------------------------------------------------------------------ futures
+    @app.post(f"{API}/retrieve_future")
+    async def retrieve_future(request: Request) -> Response:
+        who = tenant(request)
+        data = await body(request)
+        result = await service.retrieve(who, data)
+        if result is None:
+            request_id = data.get("request_id") if isinstance(data, dict) else None
+            return JSONResponse({"type": "try_again", "request_id": request_id, "queue_state": "active"})
+        return Response(result.body, media_type=result.content_type)
+
+    # ------------------------------------------------------------------ REST
+    @app.get(f"{API}/training_runs")
+    async def list_training_runs(request: Request, limit: int = 20, offset: int = 0) -> dict[str, Any]:
+        return service.list_training_runs(tenant(request), limit, offset)
+
+    @app.get(f"{API}/training_runs/{{run_id}}")
+    async def get_training_run(run_id: str, request: Request) -> dict[str, Any]:
+        return service.get_training_run(tenant(request), run_id)
+
+    @app.get(f"{API}/training_runs/{{run_id}}/checkpoints")
+    async def list_run_checkpoints(run_id: str, request: Request) -> dict[str, Any]:
+        return service.list_checkpoints(tenant(request), run_id)
+
+    @app.put(f"{API}/training_runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}/ttl")
+    async def set_ttl(run_id: str, checkpoint_id: str, request: Request) -> dict[str, Any]:
+        return service.set_checkpoint_ttl(tenant(request), run_id, checkpoint_id, await body(request))
+
+    @app.delete(f"{API}/training_runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}")
+    async def delete_checkpoint(run_id: str, checkpoint_id: str, request: Request) -> dict[str, Any]:
+        await asyncio.wrap_future(service.delete_checkpoint(tenant(request), run_id, checkpoint_id))
+        return {}
+
+    @app.get(f"{API}/checkpoints")
+    async def list_user_checkpoints(request: Request, limit: int = 100, offset: int = 0) -> dict[str, Any]:
+        return service.list_checkpoints(tenant(request), None, limit, offset)
+
+    @app.post(f"{API}/weights_info")
+    async def weights_info(request: Request) -> dict[str, Any]:
+        return service.weights_info(tenant(request), await body(request))
+
+    return app

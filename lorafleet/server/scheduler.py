@@ -1,0 +1,293 @@
+"""Per-model seq ordering and cross-tenant batching, on one engine worker thread.
+
+Each model's operations carry a `seq_id`; the SDK submits concurrent chunks of one call in any
+order (the first one last, on purpose), so an operation runs only when every lower seq of its
+model has run. Across models there is no order, which is what lets one round of the worker do:
+
+1. control operations (create, save, load, failures) at the head of their model's queue;
+2. ONE mixed forward/backward over every model whose head is forward/forward_backward work
+   (consecutive chunks of the same model join the same batch);
+3. ONE optimizer call for every model whose head is now an optim_step (the fwd/bwd just run
+   usually put it there);
+4. ONE generation batch for every pending sample.
+
+Torch work happens only on the worker thread (two cores: one busy thread is the fastest way to
+run it) so the HTTP event loop stays responsive. The worker never raises out of a round: an
+executor failure fails that group's futures with a server error and is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from lorafleet.server.errors import ServerFault, UserError
+from lorafleet.server.futures import FutureTable, Result
+
+log = logging.getLogger(__name__)
+
+TRAIN_KINDS = frozenset({"forward", "forward_backward"})
+OPTIM_KIND = "optim_step"
+SAMPLE_KIND = "sample"
+CREATE_KINDS = frozenset({"create_model", "create_from_state"})
+
+
+@dataclass(eq=False)
+class Op:
+    request_id: str
+    kind: str
+    tenant: str
+    payload: Any
+    model_id: str | None = None
+    seq_id: int | None = None  # None: not ordered (creation, samples)
+    scope: str | None = None  # what batching counts as "one client" (model or sampling session)
+    submitted: float = field(default_factory=time.monotonic)
+
+
+class Executor(Protocol):
+    """What the scheduler drives; each method returns one Result per op, in order."""
+
+    def run_control(self, op: Op) -> Result: ...
+
+    def run_train(self, ops: list[Op]) -> list[Result]: ...
+
+    def run_optim(self, ops: list[Op]) -> list[Result]: ...
+
+    def run_sample(self, ops: list[Op]) -> list[Result]: ...
+
+
+@dataclass
+class Stats:
+    rounds: int = 0
+    batches: Counter[str] = field(default_factory=Counter)  # kind -> engine calls
+    mixed_batches: Counter[str] = field(default_factory=Counter)  # ... with > 1 client in them
+    cross_tenant_batches: Counter[str] = field(default_factory=Counter)  # ... with > 1 tenant
+    requests: Counter[str] = field(default_factory=Counter)  # kind -> ops completed
+    failed: Counter[str] = field(default_factory=Counter)
+    max_batch_clients: Counter[str] = field(default_factory=Counter)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "rounds": self.rounds,
+            "batches": dict(self.batches),
+            "mixed_batches": dict(self.mixed_batches),
+            "cross_tenant_batches": dict(self.cross_tenant_batches),
+            "max_batch_clients": dict(self.max_batch_clients),
+            "requests": dict(self.requests),
+            "failed": dict(self.failed),
+        }
+
+
+class Scheduler:
+    def __init__(
+        self,
+        executor: Executor,
+        futures: FutureTable,
+        *,
+        batch_window_s: float = 0.0,
+        gap_timeout_s: float = 600.0,
+    ):
+        self.executor = executor
+        self.futures = futures
+        self.batch_window_s = batch_window_s
+        self.gap_timeout_s = gap_timeout_s
+        self.stats = Stats()
+        self._cond = threading.Condition()
+        self._next_seq: dict[str, int] = {}
+        self._gone: dict[str, str] = {}  # unloaded model -> why (its late requests fail at once)
+        self._queues: dict[str, dict[int, Op]] = {}
+        self._unordered: list[Op] = []
+        self._calls: list[tuple[Callable[[], Any], Future[Any]]] = []
+        self._paused = False
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self, init: Callable[[], None] | None = None) -> None:
+        """`init` runs first on the worker thread (e.g. torch thread settings)."""
+        self._thread = threading.Thread(target=self._main, args=(init,), name="lorafleet-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def pause(self) -> None:
+        """Holds every round (tests use it to line up requests from several clients)."""
+        with self._cond:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ intake
+    def register_model(self, model_id: str, next_seq: int = 1) -> None:
+        with self._cond:
+            self._next_seq[model_id] = next_seq
+            self._queues.setdefault(model_id, {})
+            self._cond.notify_all()
+
+    def forget_model(self, model_id: str, reason: str) -> None:
+        """Fails whatever the model still has queued (it was unloaded)."""
+        with self._cond:
+            self._next_seq.pop(model_id, None)
+            self._gone[model_id] = reason
+            queued = list(self._queues.pop(model_id, {}).values())
+        for op in queued:
+            self._finish(op, Result.error(UserError(reason)))
+
+    def submit(self, op: Op) -> None:
+        error: UserError | None = None
+        with self._cond:
+            if op.seq_id is None:
+                self._unordered.append(op)
+            else:
+                assert op.model_id is not None
+                expected = self._next_seq.get(op.model_id)
+                if op.model_id in self._gone:
+                    error = UserError(self._gone[op.model_id])
+                elif expected is not None and op.seq_id < expected:
+                    error = UserError(f"seq_id {op.seq_id} of model {op.model_id!r} was already executed (next is {expected})")
+                else:
+                    self._queues.setdefault(op.model_id, {})[op.seq_id] = op
+            self._cond.notify_all()
+        if error is not None:
+            self._finish(op, Result.error(error))
+
+    def call(self, fn: Callable[[], Any]) -> Future[Any]:
+        """Runs `fn` on the worker thread between rounds (anything that touches the engine)."""
+        future: Future[Any] = Future()
+        with self._cond:
+            if self._stopping:
+                future.set_exception(ServerFault("the server is shutting down"))
+                return future
+            self._calls.append((fn, future))
+            self._cond.notify_all()
+        return future
+
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._unordered) + sum(len(q) for q in self._queues.values())
+
+    # ------------------------------------------------------------------ the worker
+    def _ready(self) -> bool:
+        if self._calls or self._unordered:
+            return True
+        return any(self._next_seq.get(m) in q for m, q in self._queues.items() if q)
+
+    def _main(self, init: Callable[[], None] | None) -> None:
+        if init is not None:
+            init()
+        while True:
+            with self._cond:
+                while not self._stopping and (self._paused or not self._ready()):
+                    self._cond.wait(timeout=1.0)
+                    self._expire_gaps()
+                if self._stopping:
+                    return
+            if self.batch_window_s > 0:
+                time.sleep(self.batch_window_s)
+            self._round()
+
+    def _round(self) -> None:
+        self.stats.rounds += 1
+        with self._cond:
+            calls, self._calls = self._calls, []
+        for fn, future in calls:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except Exception as exc:  # noqa: BLE001 - handed to the caller, who re-raises it
+                    future.set_exception(exc)
+
+        for op in self._take_control():
+            self._run_group("control", [op], lambda ops: [self.executor.run_control(ops[0])])
+        train = self._take_heads(lambda kind: kind in TRAIN_KINDS, consecutive=True)
+        if train:
+            self._run_group("forward_backward", train, self.executor.run_train)
+        optim = self._take_heads(lambda kind: kind == OPTIM_KIND, consecutive=False)
+        if optim:
+            self._run_group("optim_step", optim, self.executor.run_optim)
+        with self._cond:
+            samples = [op for op in self._unordered if op.kind == SAMPLE_KIND]
+            self._unordered = [op for op in self._unordered if op.kind != SAMPLE_KIND]
+        if samples:
+            self._run_group("sample", samples, self.executor.run_sample)
+
+    def _take_control(self) -> list[Op]:
+        with self._cond:
+            ops = [op for op in self._unordered if op.kind != SAMPLE_KIND]
+            self._unordered = [op for op in self._unordered if op.kind == SAMPLE_KIND]
+        ops += self._take_heads(lambda kind: kind not in TRAIN_KINDS and kind != OPTIM_KIND, consecutive=False)
+        return ops
+
+    def _take_heads(self, wanted: Callable[[str], bool], *, consecutive: bool) -> list[Op]:
+        """Pops each model's head op if `wanted` (and the wanted ops right after it, if
+        `consecutive`), advancing the model's next seq past them."""
+        taken: list[Op] = []
+        with self._cond:
+            for model_id, queue in self._queues.items():
+                seq = self._next_seq.get(model_id)
+                while seq is not None and seq in queue and wanted(queue[seq].kind):
+                    taken.append(queue.pop(seq))
+                    seq += 1
+                    self._next_seq[model_id] = seq
+                    if not consecutive:
+                        break
+        return taken
+
+    def _run_group(self, name: str, ops: list[Op], run: Callable[[list[Op]], list[Result]]) -> None:
+        try:
+            results = run(ops)
+            if len(results) != len(ops):
+                raise RuntimeError(f"{name}: executor returned {len(results)} results for {len(ops)} ops")
+        except Exception as exc:
+            log.exception("engine failure in %s batch of %d request(s)", name, len(ops))
+            results = [Result.error(ServerFault(f"internal error while running {name}: {type(exc).__name__}: {exc}"))] * len(ops)
+        if name != "control":
+            clients = {op.scope or op.model_id or op.request_id for op in ops}
+            self.stats.batches[name] += 1
+            self.stats.max_batch_clients[name] = max(self.stats.max_batch_clients[name], len(clients))
+            if len(clients) > 1:
+                self.stats.mixed_batches[name] += 1
+            if len({op.tenant for op in ops}) > 1:
+                self.stats.cross_tenant_batches[name] += 1
+        for op, result in zip(ops, results, strict=True):
+            if op.kind in CREATE_KINDS and not result.failed and op.model_id is not None:
+                self.register_model(op.model_id)
+            self._finish(op, result)
+
+    def _finish(self, op: Op, result: Result) -> None:
+        self.stats.requests[op.kind] += 1
+        if result.failed:
+            self.stats.failed[op.kind] += 1
+        self.futures.complete(op.request_id, result)
+
+    def _expire_gaps(self) -> None:
+        """Fails ops that waited too long for a lower seq that never arrived (caller holds the lock)."""
+        now = time.monotonic()
+        expired: list[tuple[Op, int]] = []
+        for model_id, queue in self._queues.items():
+            expected = self._next_seq.get(model_id)
+            if not queue or expected is None or expected in queue:
+                continue
+            if now - min(op.submitted for op in queue.values()) > self.gap_timeout_s:
+                expired += [(op, expected) for op in queue.values()]
+                queue.clear()
+        for op, expected in expired:
+            error = UserError(
+                f"seq_id {op.seq_id} of model {op.model_id!r} waited {self.gap_timeout_s:.0f} s for seq_id {expected}, "
+                "which never arrived"
+            )
+            self.futures.complete(op.request_id, Result.error(error))

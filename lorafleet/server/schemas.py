@@ -1,0 +1,176 @@
+"""JSON request bodies the SDK sends, as lenient pydantic models (unknown keys ignored: newer SDKs
+add fields), and one parse function whose errors name the field and the offending value."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, TypeVar
+
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    ValidationError,
+)
+
+from lorafleet.server.errors import UserError
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+
+def parse_json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw) if raw else {}
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"request body is not valid JSON: {exc}") from None
+
+
+def parse(model: type[M], data: Any) -> M:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors()[:5]:
+            where = ".".join(str(p) for p in err["loc"]) or "body"
+            value = err.get("input")
+            shown = "" if err["type"] == "missing" else f" (got {json.dumps(value, default=str)[:80]})"
+            problems.append(f"{where}: {err['msg']}{shown}")
+        raise UserError(f"invalid {model.__name__} request: " + "; ".join(problems)) from None
+
+
+class CreateSession(_Body):
+    tags: list[str] = Field(default_factory=list)
+    user_metadata: dict[str, Any] | None = None
+    sdk_version: str | None = None
+    project_id: str | None = None
+    display_name: str | None = None
+
+
+class SessionRef(_Body):
+    session_id: str
+
+
+class FinishSession(_Body):
+    reason: dict[str, Any] | None = None
+    detail: str | None = None
+
+
+class LoraConfig(_Body):
+    rank: StrictInt = 32
+    seed: StrictInt | None = None
+    train_unembed: StrictBool = True
+    train_mlp: StrictBool = True
+    train_attn: StrictBool = True
+
+
+class CreateModel(_Body):
+    session_id: str
+    model_seq_id: StrictInt = Field(ge=0)
+    base_model: str
+    lora_config: LoraConfig = Field(default_factory=LoraConfig)
+    user_metadata: dict[str, Any] | None = None
+    optimizer_config: dict[str, Any] | None = None
+
+
+class ModelRef(_Body):
+    model_id: str
+
+
+class OptimStep(_Body):
+    model_id: str
+    seq_id: StrictInt = Field(ge=1)
+    optim_params: dict[str, Any] = Field(validation_alias=AliasChoices("optim_params", "adam_params", "optimizer_params"))
+
+
+class SaveWeights(_Body):
+    model_id: str
+    seq_id: StrictInt = Field(ge=1)
+    path: str
+    overwrite: StrictBool = False
+    ttl_seconds: StrictInt | None = None
+    user_metadata: dict[str, Any] | None = None
+
+
+class SaveWeightsForSampler(_Body):
+    model_id: str
+    seq_id: StrictInt = Field(ge=1)
+    path: str | None = None
+    sampling_session_seq_id: StrictInt | None = Field(default=None, ge=0)
+    kind: str = "snapshot"
+    ttl_seconds: StrictInt | None = None
+    user_metadata: dict[str, Any] | None = None
+
+
+class LoadWeights(_Body):
+    path: str
+    optimizer: StrictBool = False
+    model_id: str | None = None
+    seq_id: StrictInt | None = Field(default=None, ge=1)
+    session_id: str | None = None
+    model_seq_id: StrictInt | None = Field(default=None, ge=0)
+    base_model: str | None = None
+    user_metadata: dict[str, Any] | None = None
+    optimizer_config: dict[str, Any] | None = None
+    weights_access_token: str | None = None
+
+
+class CreateSamplingSession(_Body):
+    session_id: str
+    sampling_session_seq_id: StrictInt = Field(ge=0)
+    base_model: str | None = None
+    model_path: str | None = None
+
+
+class Chunk(_Body):
+    type: str = "encoded_text"
+    tokens: list[StrictInt] | None = None
+
+
+class ModelInput(_Body):
+    chunks: list[Chunk]
+
+
+class SamplingParams(_Body):
+    max_tokens: StrictInt | None = None
+    seed: StrictInt | None = None
+    stop: str | list[str] | list[StrictInt] | None = None
+    temperature: float = 1.0
+    top_k: StrictInt = -1
+    top_p: float = 1.0
+
+
+class Sample(_Body):
+    prompt: ModelInput
+    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
+    num_samples: StrictInt = 1
+    sampling_session_id: str | None = None
+    seq_id: StrictInt | None = None
+    base_model: str | None = None
+    model_path: str | None = None
+    prompt_logprobs: StrictBool | None = None
+    topk_prompt_logprobs: StrictInt = 0
+    topk_sample_logprobs: StrictInt = 0
+    prompt_logprobs_last_n: StrictInt | None = None
+    target_prompt_logprobs: dict[str, Any] | None = None
+    prompt_alt_tokens_k: StrictInt = 0
+    record_stability_info: StrictBool | None = None
+
+
+class RetrieveFuture(_Body):
+    request_id: str
+    allow_metadata_only: bool = False
+
+
+class WeightsInfo(_Body):
+    tinker_path: str
+
+
+class SetTtl(_Body):
+    ttl_seconds: StrictInt | None = None

@@ -1,0 +1,99 @@
+"""One in-process server (tiny-qwen3, loaded once per test session) driven by the real `tinker`
+SDK over loopback HTTP. Two tenants: A and B."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TINKER_TELEMETRY"] = "0"
+
+import pytest
+import tinker
+from tinker import types
+
+from lorafleet.server.executor import EngineConfig
+from lorafleet.server.main import ServerThread, free_port
+from lorafleet.server.service import ServerConfig
+
+KEY_A = "tml-tenant-a-0123456789abcdef"
+KEY_B = "tml-tenant-b-0123456789abcdef"
+VOCAB = 512  # tiny-qwen3's tokenizer
+
+
+def server_config(data_dir, port: int | None = None, **overrides) -> ServerConfig:
+    engine = EngineConfig(base_model="tiny-qwen3", max_adapters=12, sampler_slots=8, max_lora_rank=16, max_sample_rows=16)
+    return ServerConfig(
+        base_model="tiny-qwen3",
+        data_dir=data_dir,
+        api_keys=[KEY_A, KEY_B],
+        port=port or free_port(),
+        engine=engine,
+        torch_threads=1,
+        batch_window_s=0.0,
+        **overrides,
+    )
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory) -> Iterator[ServerThread]:
+    srv = ServerThread(server_config(tmp_path_factory.mktemp("server-data")))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def base_model(server: ServerThread) -> str:
+    """The model's directory: the name under which the SDK can load the tokenizer offline."""
+    return str(server.service.executor.base_path)
+
+
+def connect(server: ServerThread, key: str = KEY_A) -> tinker.ServiceClient:
+    return tinker.ServiceClient(base_url=server.base_url, api_key=key)
+
+
+@pytest.fixture
+def client_a(server: ServerThread) -> Iterator[tinker.ServiceClient]:
+    sc = connect(server, KEY_A)
+    yield sc
+    sc.close("success").result(timeout=30)
+
+
+@pytest.fixture
+def client_b(server: ServerThread) -> Iterator[tinker.ServiceClient]:
+    sc = connect(server, KEY_B)
+    yield sc
+    sc.close("success").result(timeout=30)
+
+
+def sl_datum(tokens: list[int], weights: list[float] | None = None) -> types.Datum:
+    """Next-token prediction over `tokens`."""
+    weights = [1.0] * (len(tokens) - 1) if weights is None else weights
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights},
+    )
+
+
+def rl_datum(prompt: list[int], sampled: list[int], sampler_logprobs: list[float], advantage: float) -> types.Datum:
+    """The cookbook's layout: input = prompt + sampled[:-1], targets/logprobs/advantages 0 over the prompt."""
+    pad = len(prompt) - 1
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(prompt + sampled[:-1]),
+        loss_fn_inputs={
+            "target_tokens": [0] * pad + sampled,
+            "logprobs": [0.0] * pad + sampler_logprobs,
+            "advantages": [0.0] * pad + [advantage] * len(sampled),
+        },
+    )
+
+
+def wait_pending(server: ServerThread, count: int, timeout: float = 30.0) -> None:
+    """Waits until the (paused) scheduler holds `count` queued operations."""
+    deadline = time.monotonic() + timeout
+    while server.service.scheduler.pending() < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {server.service.scheduler.pending()} of {count} operations arrived")
+        time.sleep(0.01)
