@@ -77,7 +77,10 @@ def main() -> None:
         new_tokens=(int, 32, "tokens generated per sequence"),
         prompt_len=(int, 32, "typical prompt length"),
         rank=(int, 16, "LoRA rank"),
+        threads=(int, 0, "torch threads (0 = torch's default); 1 is steadier on busy shared CPUs"),
     )
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     stack, keys = build_ours(args.rank, max_rows=ADAPTERS * args.seqs_per_adapter)
     vocab = stack.sampler.limits.vocab_size
     count = ADAPTERS * args.seqs_per_adapter
@@ -143,7 +146,8 @@ def main() -> None:
             "tok_per_s": {"mixed": total_tokens / t_mixed, "base": total_tokens / t_base, "peft_generate": total_tokens / t_peft},
             "greedy_agreement_with_peft": agree,
             "config": {"adapters": ADAPTERS, "seqs_per_adapter": args.seqs_per_adapter, "new_tokens": args.new_tokens,
-                       "prompt_len": args.prompt_len, "rank": args.rank, "targets": "attn+mlp"},
+                       "prompt_len": args.prompt_len, "rank": args.rank, "targets": "attn+mlp",
+                       "threads": torch.get_num_threads()},
             "vllm": "not implemented",
         },
     )

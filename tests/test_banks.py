@@ -153,7 +153,8 @@ def test_grouped_and_loop_kernels_agree_with_uneven_and_empty_groups(dtype):
 
 
 def test_bf16_base_matches_peft_within_dtype_tolerance():
-    """Our bf16 logits are as close to the fp32 truth as PEFT's own bf16 run is."""
+    """Our bf16 logits are at least as close to the fp32 truth as PEFT's own bf16 run is
+    (the LoRA path may even run in fp32 when the batch has fewer tokens than bank rows)."""
     adapted, bank = _build(tiny_qwen3, dtype=torch.bfloat16)
     input_ids = torch.randint(0, 96, (len(ROW_SLOTS), SEQ), generator=torch.Generator().manual_seed(1))
     with torch.no_grad(), adapted.routing("train", bank.slot_ids_for_rows(ROW_SLOTS, SEQ)):
@@ -165,10 +166,8 @@ def test_bf16_base_matches_peft_within_dtype_tolerance():
             ref32 = _peft_model(tiny_qwen3, spec, weights)(input_ids[rows]).logits
             ref16 = _peft_model(tiny_qwen3, spec, weights, torch.bfloat16)(input_ids[rows]).logits.float()
         scale = ref32.abs().max()
-        ours_vs_peft16 = (logits[rows] - ref16).abs().max() / scale
         ours_vs_truth = (logits[rows] - ref32).abs().max() / scale
         peft16_vs_truth = (ref16 - ref32).abs().max() / scale
-        assert ours_vs_peft16 < 0.05, f"slot {slot}: {ours_vs_peft16:.3g} from PEFT bf16"
         assert ours_vs_truth < 1.5 * peft16_vs_truth + 0.01, f"slot {slot}: {ours_vs_truth:.3g} vs PEFT's {peft16_vs_truth:.3g}"
 
 

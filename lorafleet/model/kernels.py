@@ -102,8 +102,8 @@ def lora_delta(
     """LoRA deltas of the routed tokens, in `routing.order` (sorted by slot).
 
     x: [num_tokens, in] activations; A: [slots, r, in]; B: [slots, out, r] (slot 0 included and
-    ignored). A and B are cast to x's dtype, so fp32 master banks serve a bf16 base.
-    Returns [num_active, out] or None when no token uses an adapter.
+    ignored). Returns [num_active, out] (in x's or the bank's dtype; the caller casts) or None
+    when no token uses an adapter.
     """
     if x.dim() != 2:
         raise ValueError(f"x must be [tokens, features], got shape {tuple(x.shape)}")
@@ -119,9 +119,15 @@ def lora_delta(
     if routing.num_active == 0:
         return None
     xs = x.contiguous() if routing.in_order else x.index_select(0, routing.order)
-    A_active = A[1:].to(x.dtype)
-    B_active = B[1:].to(x.dtype)
-    impl = pick_kernel(kernel, x.dtype, A.shape[2], A.shape[1], B.shape[1])
+    # Banks are fp32 masters; a bf16 base wants bf16 math. Cast whichever side is smaller:
+    # the bank when many tokens run (training, prefill), the few tokens of a decode step
+    # otherwise, so a step never copies every slot's weights for a handful of tokens.
+    bank_rows = (A.shape[0] - 1) * A.shape[1]
+    compute_dtype = x.dtype if xs.shape[0] >= bank_rows else A.dtype
+    xs = xs.to(compute_dtype)
+    A_active = A[1:].to(compute_dtype)
+    B_active = B[1:].to(compute_dtype)
+    impl = pick_kernel(kernel, compute_dtype, A.shape[2], A.shape[1], B.shape[1])
     if impl == "grouped":
         return _grouped_delta(xs, A_active, B_active, routing)
     return _loop_delta(xs, A_active, B_active, routing)

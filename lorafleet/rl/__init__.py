@@ -1,0 +1,1 @@
+"""RL (GRPO-style) and SFT loops that drive a Tinker-compatible server through the `tinker` SDK."""

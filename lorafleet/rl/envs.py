@@ -1,0 +1,149 @@
+"""Reward environments: seeded problem generators plus scorers, all offline.
+
+Every env asks for the final answer inside `<answer>...</answer>` so one extractor serves all of
+them, and a small model gets a learnable signal (the format) before it gets the content right.
+`format_weight` is the share of the reward paid for a well-formed tag alone; the rest is paid for
+a correct answer.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+INSTRUCTION = "Put only the final answer inside <answer></answer>, for example <answer>42</answer>."
+
+
+@dataclass(frozen=True)
+class Problem:
+    question: str
+    answer: str
+    entry: Any = field(default=None, compare=False)  # the generator's own record (reasoning-gym)
+
+
+def extract_answer(completion: str) -> str | None:
+    """The first tagged answer, stripped; None when the model did not use the tag."""
+    match = ANSWER_RE.search(completion)
+    return None if match is None else match.group(1).strip()
+
+
+class Env(Protocol):
+    name: str
+
+    def problems(self, rng: random.Random, count: int) -> list[Problem]: ...
+
+    def score(self, problem: Problem, completion: str) -> float: ...
+
+
+def _numbers_equal(got: str, want: str) -> bool:
+    try:
+        return float(got.replace(",", "")) == float(want)
+    except ValueError:
+        return got == want
+
+
+@dataclass
+class ArithmeticEnv:
+    """Built in, no extra dependency: `a op b` with operands in [0, max_operand]."""
+
+    name: str = "arithmetic"
+    max_operand: int = 20
+    ops: str = "+"
+    format_weight: float = 0.5
+
+    def problems(self, rng: random.Random, count: int) -> list[Problem]:
+        out = []
+        for _ in range(count):
+            a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
+            op = rng.choice(self.ops)
+            value = a + b if op == "+" else a - b if op == "-" else a * b
+            out.append(Problem(f"What is {a} {op} {b}? {INSTRUCTION}", str(value)))
+        return out
+
+    def score(self, problem: Problem, completion: str) -> float:
+        got = extract_answer(completion)
+        if got is None:
+            return 0.0
+        correct = _numbers_equal(got, problem.answer)
+        return self.format_weight + (1.0 - self.format_weight) * float(correct)
+
+
+@dataclass
+class TagEnv:
+    """Pure format task (the easiest learnable signal): reward 1 for `<answer>N</answer>` with a
+    number inside, whatever the number. Used by the slow test and as a smoke task."""
+
+    name: str = "tag"
+    max_operand: int = 20
+
+    def problems(self, rng: random.Random, count: int) -> list[Problem]:
+        return ArithmeticEnv(max_operand=self.max_operand).problems(rng, count)
+
+    def score(self, problem: Problem, completion: str) -> float:
+        got = extract_answer(completion)
+        return float(got is not None and re.fullmatch(r"-?\d+(\.\d+)?", got) is not None)
+
+
+@dataclass
+class ReasoningGymEnv:
+    """A `reasoning-gym` task (optional dependency), scored by the task's own `score_answer`.
+
+    The dataset is regenerated per step from the step's seed, so a resumed run sees the same
+    problems it would have seen without the interruption."""
+
+    task: str
+    format_weight: float = 0.1
+    name: str = ""
+    _module: Any = field(default=None, repr=False)
+    _scorer: Any = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        try:
+            import reasoning_gym
+        except ImportError as exc:
+            raise ValueError(
+                f"task 'rg:{self.task}' needs reasoning-gym: .venv/bin/pip install reasoning-gym==0.1.25 ({exc})"
+            ) from None
+        self._module = reasoning_gym
+        self.name = f"rg:{self.task}"
+        try:
+            self._scorer = reasoning_gym.create_dataset(self.task, size=1, seed=0)
+        except (KeyError, ValueError) as exc:
+            raise ValueError(f"unknown reasoning-gym task {self.task!r}: {exc}") from None
+
+    def problems(self, rng: random.Random, count: int) -> list[Problem]:
+        dataset = self._module.create_dataset(self.task, size=count, seed=rng.randrange(1 << 31))
+        return [Problem(f"{entry['question']}\n{INSTRUCTION}", str(entry["answer"]), entry) for entry in dataset]
+
+    def score(self, problem: Problem, completion: str) -> float:
+        got = extract_answer(completion)
+        if got is None:
+            return 0.0
+        value = float(self._scorer.score_answer(got, problem.entry))  # stateless per entry
+        return self.format_weight + (1.0 - self.format_weight) * value
+
+
+BUILTIN = {"arithmetic": ArithmeticEnv, "tag": TagEnv}
+
+
+def make_env(task: str) -> Env:
+    """`arithmetic`, `arithmetic:50` (max operand), `tag`, or `rg:<reasoning-gym task>`."""
+    name, _, arg = task.partition(":")
+    if name == "rg":
+        if not arg:
+            raise ValueError(f"task {task!r}: write rg:<name>, e.g. rg:chain_sum")
+        return ReasoningGymEnv(arg)
+    if name not in BUILTIN:
+        raise ValueError(f"unknown task {task!r}; use one of {', '.join(BUILTIN)} or rg:<reasoning-gym task>")
+    if not arg:
+        return BUILTIN[name]()
+    try:
+        max_operand = int(arg)
+    except ValueError:
+        raise ValueError(f"task {task!r}: the part after ':' must be the max operand, an integer") from None
+    if max_operand < 1:
+        raise ValueError(f"task {task!r}: max operand must be >= 1")
+    return BUILTIN[name](max_operand=max_operand)

@@ -1,0 +1,340 @@
+"""`lorafleet rl`: a GRPO-style loop per tenant over the Tinker API, all tenants at once.
+
+Each tenant runs on its own thread with its own API key, adapter, task and hyper-parameters;
+the SDK calls of all threads are in flight together, so the server batches their sampling and
+training into shared passes over the one base model. Per step and tenant: snapshot the weights
+for sampling, sample a group per prompt, score, centre rewards per group, one forward_backward
+(importance_sampling or ppo) and one optim_step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import tinker
+from tinker import types
+
+from lorafleet.fsio import atomic_write_json, ensure_private_dir, safe_name
+from lorafleet.rl.connect import Backend, export_adapter, load_tokenizer, start_backend, tenant_keys
+from lorafleet.rl.datums import group_advantages, rl_datum
+from lorafleet.rl.envs import Env, extract_answer, make_env
+from lorafleet.rl.report import MetricsLog, Progress, plot_curves, print_table
+
+log = logging.getLogger(__name__)
+LOSSES = ("importance_sampling", "ppo")
+StepHook = Callable[[str, dict[str, Any]], None]
+
+
+@dataclass
+class TenantConfig:
+    name: str
+    task: str = "arithmetic"
+    learning_rate: float = 3e-4
+    rank: int = 8
+    loss_fn: str = "importance_sampling"
+    prompts_per_step: int = 8
+    group_size: int = 4
+    max_tokens: int = 24
+    temperature: float = 1.0
+    seed: int = 0
+
+    def validate(self) -> None:
+        safe_name(self.name, "tenant name")
+        if self.loss_fn not in LOSSES:
+            raise ValueError(f"tenant {self.name}: loss {self.loss_fn!r} is not one of {', '.join(LOSSES)}")
+        for key in ("rank", "prompts_per_step", "group_size", "max_tokens"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"tenant {self.name}: {key} must be >= 1, got {getattr(self, key)}")
+        if self.group_size < 2:
+            raise ValueError(f"tenant {self.name}: group_size must be >= 2 (advantages are centred per group)")
+        if not self.learning_rate > 0:
+            raise ValueError(f"tenant {self.name}: learning_rate must be > 0, got {self.learning_rate}")
+
+
+@dataclass
+class RLConfig:
+    base_model: str
+    run_dir: Path
+    tenants: list[TenantConfig]
+    steps: int = 10
+    save_every: int = 5
+    base_url: str | None = None
+    api_keys: list[str] | None = None
+    resume: bool = False
+    progress: bool = True
+    dtype: str = "bfloat16"
+    torch_threads: int | None = None
+
+
+@dataclass
+class TenantResult:
+    name: str
+    metrics: list[dict[str, Any]]
+    state_path: str | None = None
+    sampler_path: str | None = None
+    adapter_dir: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class Checkpoint:
+    """`state.json` in the tenant's dir: what `--resume` continues from."""
+
+    step: int  # steps completed
+    state_path: str
+    sampler_path: str
+
+    @classmethod
+    def read(cls, path: Path) -> Checkpoint | None:
+        if not path.is_file():
+            return None
+        data = json.loads(path.read_text())
+        try:
+            return cls(step=int(data["step"]), state_path=str(data["state_path"]), sampler_path=str(data["sampler_path"]))
+        except KeyError as exc:
+            raise ValueError(f"{path}: missing field {exc}") from None
+
+
+def render_prompt(tokenizer: Any, question: str) -> list[int]:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True)
+    if not isinstance(ids, list):  # transformers 5 may return a BatchEncoding
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+def step_seed(seed: int, step: int, index: int = 0) -> int:
+    """Problems and samples depend only on (tenant seed, step): a resumed run replays exactly."""
+    return (seed * 1_000_003 + step) * 1_009 + index
+
+
+class TenantRunner:
+    def __init__(
+        self, cfg: TenantConfig, run: RLConfig, backend: Backend, api_key: str, progress: Progress,
+        stop: threading.Event, on_step: StepHook | None = None,
+    ):
+        self.cfg, self.run_cfg, self.backend, self.api_key = cfg, run, backend, api_key
+        self.progress, self.stop, self.on_step = progress, stop, on_step
+        self.dir = ensure_private_dir(run.run_dir / cfg.name)
+        self.env: Env = make_env(cfg.task)
+        self.metrics = MetricsLog(self.dir / "metrics.jsonl", resume=run.resume)
+        self.result = TenantResult(cfg.name, self.metrics.rows)
+        self.service: tinker.ServiceClient | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def run(self) -> None:
+        """Thread body: errors are recorded, not raised, so one tenant cannot strand the others."""
+        try:
+            self._run()
+        except Exception as exc:  # noqa: BLE001 - reported per tenant in the summary
+            self.result.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            if self.service is not None:
+                try:
+                    self.service.close("errored" if self.result.error else "success").result(timeout=30)
+                except (tinker.TinkerError, TimeoutError, OSError) as exc:
+                    self.result.error = self.result.error or f"close: {exc}"
+
+    def _run(self) -> None:
+        cfg = self.cfg
+        self.service = self.backend.client(self.api_key)
+        checkpoint = Checkpoint.read(self.dir / "state.json") if self.run_cfg.resume else None
+        if checkpoint is not None:
+            tc = self.service.create_training_client_from_state_with_optimizer(checkpoint.state_path).result()
+            start = checkpoint.step
+            self.result.state_path, self.result.sampler_path = checkpoint.state_path, checkpoint.sampler_path
+            del self.metrics.rows[:]  # keep only steps the checkpoint includes
+            self.metrics.rows.extend(r for r in read_rows(self.dir / "metrics.jsonl") if r["step"] < start)
+        else:
+            tc = self.service.create_lora_training_client(self.backend.base_model, rank=cfg.rank, seed=cfg.seed).result()
+            start = 0
+        tokenizer = load_tokenizer(self.backend, tc)
+        self.progress.add(cfg.name, self.run_cfg.steps, start)
+        saved = start
+        step = start
+        try:
+            while step < self.run_cfg.steps and not self.stop.is_set():
+                row = self._step(tc, tokenizer, step)
+                self.metrics.append(row)
+                step += 1
+                self.progress.update(cfg.name, step, _stats(row))
+                if self.on_step is not None:
+                    self.on_step(cfg.name, row)
+                if step % self.run_cfg.save_every == 0:
+                    self._save(tc, step)
+                    saved = step
+        except Exception:
+            if step > saved:  # keep what was learnt; the step's own error is the one to report
+                try:
+                    self._save(tc, step)
+                except tinker.TinkerError as exc:
+                    log.warning("tenant %s: saving after the error failed too: %s", cfg.name, exc)
+            raise
+        if step > saved or self.result.sampler_path is None:
+            self._save(tc, step)  # Ctrl-C or the last step
+        if self.result.sampler_path is not None:
+            exported = export_adapter(self.backend, self.api_key, self.result.sampler_path, self.dir / "adapter")
+            self.result.adapter_dir = None if exported is None else str(exported)
+
+    def _save(self, tc: tinker.TrainingClient, step: int) -> None:
+        name = f"step-{step:05d}"
+        state = tc.save_state(name).result().path
+        sampler = tc.save_weights_for_sampler(name).result().path
+        self.result.state_path, self.result.sampler_path = state, sampler
+        atomic_write_json(self.dir / "state.json", asdict(Checkpoint(step, state, sampler)))
+
+    # ------------------------------------------------------------------ one GRPO step
+    def _step(self, tc: tinker.TrainingClient, tokenizer: Any, step: int) -> dict[str, Any]:
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        sampler = tc.save_weights_and_get_sampling_client().result()
+        problems = self.env.problems(random.Random(step_seed(cfg.seed, step)), cfg.prompts_per_step)
+        prompts = [render_prompt(tokenizer, p.question) for p in problems]
+        futures = [
+            sampler.sample(
+                types.ModelInput.from_ints(prompt), cfg.group_size,
+                types.SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, seed=step_seed(cfg.seed, step, i)),
+            )
+            for i, prompt in enumerate(prompts)
+        ]
+        responses = [f.result() for f in futures]
+        t_sampled = time.perf_counter()
+        datums: list[types.Datum] = []
+        rewards_all: list[float] = []
+        tagged = sampled_tokens = 0
+        for problem, prompt, response in zip(problems, prompts, responses, strict=True):
+            texts = [tokenizer.decode(s.tokens, skip_special_tokens=True) for s in response.sequences]
+            rewards = [self.env.score(problem, text) for text in texts]
+            tagged += sum(extract_answer(text) is not None for text in texts)
+            rewards_all.extend(rewards)
+            for seq, adv in zip(response.sequences, group_advantages(rewards), strict=True):
+                sampled_tokens += len(seq.tokens)
+                if adv != 0.0 and seq.tokens:  # zero-advantage rows carry no gradient
+                    datums.append(rl_datum(prompt, seq.tokens, seq.logprobs, adv))
+        loss = None
+        if datums:
+            fb = tc.forward_backward(datums, cfg.loss_fn)
+            opt = tc.optim_step(types.AdamParams(learning_rate=cfg.learning_rate))
+            loss = float(fb.result().metrics.get("loss:sum", 0.0)) / max(sampled_tokens, 1)
+            opt.result()
+        t_end = time.perf_counter()
+        n = len(rewards_all)
+        mean = sum(rewards_all) / n
+        return {
+            "step": step,
+            "reward_mean": mean,
+            "reward_std": (sum((r - mean) ** 2 for r in rewards_all) / n) ** 0.5,
+            "tag_rate": tagged / n,
+            "loss_per_token": loss,
+            "rollouts": n,
+            "trained_rows": len(datums),
+            "sampled_tokens": sampled_tokens,
+            "sample_s": t_sampled - t0,
+            "train_s": t_end - t_sampled,
+            "step_s": t_end - t0,
+            "time": time.time(),
+        }
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    from lorafleet.rl.report import read_metrics
+
+    return read_metrics(path) if path.is_file() else []
+
+
+def _stats(row: dict[str, Any]) -> str:
+    loss = row["loss_per_token"]
+    return f"reward {row['reward_mean']:.3f}  tag {row['tag_rate']:.2f}  loss {'-' if loss is None else f'{loss:+.4f}'}"
+
+
+def run_rl(config: RLConfig, *, on_step: StepHook | None = None) -> dict[str, TenantResult]:
+    """Runs every tenant to `config.steps` (or until Ctrl-C, after which each saves and stops)."""
+    names = [t.name for t in config.tenants]
+    if len(set(names)) != len(names):
+        raise ValueError(f"tenant names must be unique, got {names}")
+    for tenant in config.tenants:
+        tenant.validate()
+    if config.steps < 1 or config.save_every < 1:
+        raise ValueError("--steps and --save-every must be >= 1")
+    run_dir = ensure_private_dir(config.run_dir)
+    if not config.resume:
+        taken = [n for n in names if (run_dir / n / "state.json").exists()]
+        if taken:
+            raise ValueError(f"{run_dir} already holds a run for {', '.join(taken)}: pass --resume or use another --run-dir")
+    keys = tenant_keys(run_dir, names, config.api_keys)
+    atomic_write_json(run_dir / "config.json", {**asdict(config), "run_dir": str(run_dir), "api_keys": None})
+    rows_per_step = sum(t.prompts_per_step * t.group_size for t in config.tenants)
+    backend = start_backend(
+        base_model=config.base_model, run_dir=run_dir, keys=list(keys.values()), base_url=config.base_url,
+        dtype=config.dtype, max_adapters=max(2, len(names)), max_rank=max(max(t.rank for t in config.tenants), 8),
+        torch_threads=config.torch_threads, max_sample_rows=min(max(rows_per_step, 16), 256),
+    )
+    stop = threading.Event()
+    interrupted = False
+    try:
+        with Progress(config.progress) as progress:
+            runners = [TenantRunner(t, config, backend, keys[t.name], progress, stop, on_step) for t in config.tenants]
+            threads = [threading.Thread(target=r.run, name=f"rl-{r.cfg.name}", daemon=True) for r in runners]
+            for thread in threads:
+                thread.start()
+            while any(t.is_alive() for t in threads):
+                try:
+                    for thread in threads:
+                        thread.join(0.2)
+                except KeyboardInterrupt:
+                    if interrupted:
+                        raise  # a second Ctrl-C: stop waiting for the saves
+                    interrupted = True
+                    stop.set()
+                    print("\ninterrupted: each tenant finishes its step, saves and stops (Ctrl-C again to abort)")
+    finally:
+        backend.close()
+    results = {r.cfg.name: r.result for r in runners}
+    finish(config, results, interrupted)
+    return results
+
+
+def finish(config: RLConfig, results: dict[str, TenantResult], interrupted: bool) -> None:
+    run_dir = config.run_dir
+    curves = {name: r.metrics for name, r in results.items()}
+    png = plot_curves(run_dir / "reward.png", curves, "reward_mean", "mean reward")
+    summary = {name: {k: v for k, v in asdict(r).items() if k != "metrics"} | _summary(r.metrics) for name, r in results.items()}
+    atomic_write_json(run_dir / "summary.json", {"interrupted": interrupted, "tenants": summary})
+    rows = []
+    for cfg in config.tenants:
+        s = summary[cfg.name]
+        rows.append([
+            cfg.name, cfg.task, s["steps"], _fmt(s["reward_first"]), _fmt(s["reward_last"]), f"{s['seconds']:.0f}s",
+            s["error"] or s["adapter_dir"] or s["sampler_path"] or "-",
+        ])
+    print_table(
+        "lorafleet rl" + (" (interrupted)" if interrupted else ""),
+        ["tenant", "task", "steps", "reward first", "reward last", "time", "adapter (PEFT)"], rows,
+    )
+    print(f"reward curve: {png}\nmetrics: {run_dir}/<tenant>/metrics.jsonl; resume with --resume --run-dir {run_dir}")
+
+
+def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """First/last reward averaged over up to 3 steps: single steps are noisy at 32 rollouts."""
+    rewards = [r["reward_mean"] for r in rows]
+    k = min(3, len(rewards))
+    return {
+        "steps": len(rows),
+        "reward_first": sum(rewards[:k]) / k if k else None,
+        "reward_last": sum(rewards[-k:]) / k if k else None,
+        "seconds": sum(r["step_s"] for r in rows),
+        "rollouts": sum(r["rollouts"] for r in rows),
+    }
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
