@@ -131,12 +131,116 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=_cmd_serve)
 
 
+# --------------------------------------------------------------------------- rl / sft
+
+
+def _cycle(values: str, count: int, cast: Callable[[str], object], flag: str) -> list:
+    """`--lr 1e-4,3e-4` gives tenant i the i-th value, cycling when there are fewer values."""
+    items = [v.strip() for v in values.split(",") if v.strip()]
+    if not items:
+        raise ValueError(f"{flag} is empty")
+    try:
+        return [cast(items[i % len(items)]) for i in range(count)]
+    except ValueError:
+        raise ValueError(f"{flag} {values!r}: every value must be a {cast.__name__}") from None
+
+
+def _cmd_rl(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from lorafleet.rl.loop import RLConfig, TenantConfig, run_rl
+
+    n = args.tenants
+    if n < 1:
+        raise ValueError(f"--tenants must be >= 1, got {n}")
+    tasks = _cycle(args.tasks, n, str, "--tasks")
+    lrs = _cycle(args.lr, n, float, "--lr")
+    ranks = _cycle(args.rank, n, int, "--rank")
+    losses = _cycle(args.loss, n, str, "--loss")
+    tenants = [
+        TenantConfig(
+            name=f"t{i}-{tasks[i].replace(':', '-')}", task=tasks[i], learning_rate=lrs[i], rank=ranks[i],
+            loss_fn=losses[i], prompts_per_step=args.prompts, group_size=args.group_size,
+            max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed + i,
+        )
+        for i in range(n)
+    ]
+    config = RLConfig(
+        base_model=args.base_model, run_dir=Path(args.run_dir), tenants=tenants, steps=args.steps,
+        save_every=args.save_every, base_url=args.base_url, api_keys=args.api_key or None, resume=args.resume,
+        progress=not args.no_progress, dtype=args.dtype, torch_threads=args.torch_threads,
+    )
+    results = run_rl(config)
+    return 1 if any(r.error for r in results.values()) else 0
+
+
+def _register_rl(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("rl", help="GRPO-style RL for several tenants at once over the Tinker API")
+    parser.add_argument("--base-model", default="smollm2-135m", help="preset name or local HF dir")
+    parser.add_argument("--tenants", type=int, default=2, help="adapters trained at once, each on its own thread")
+    parser.add_argument("--tasks", default="arithmetic,rg:chain_sum",
+                        help="comma list, cycled over tenants: arithmetic[:MAX], tag[:MAX], rg:<reasoning-gym task>")
+    parser.add_argument("--lr", default="5e-4", help="learning rate(s), comma list cycled over tenants")
+    parser.add_argument("--rank", default="8", help="LoRA rank(s), comma list cycled over tenants")
+    parser.add_argument("--loss", default="importance_sampling", help="importance_sampling or ppo, comma list cycled")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per step per tenant")
+    parser.add_argument("--group-size", type=int, default=4, help="samples per prompt (advantages centred per group)")
+    parser.add_argument("--max-tokens", type=int, default=20)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0, help="tenant i uses seed+i")
+    parser.add_argument("--save-every", type=int, default=5, help="save_state + sampler export every N steps")
+    parser.add_argument("--run-dir", default="runs/rl", help="metrics, curve, checkpoints record, PEFT adapters")
+    parser.add_argument("--resume", action="store_true", help="continue each tenant from its last checkpoint")
+    parser.add_argument("--base-url", default=None, help="a remote lorafleet/Tinker server (default: embedded)")
+    parser.add_argument("--api-key", action="append", help="tml-... key per tenant for --base-url (repeat)")
+    parser.add_argument("--dtype", default="float32", help="embedded server dtype: float32 or bfloat16")
+    parser.add_argument("--torch-threads", type=int, default=None)
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars (logs, CI)")
+    parser.set_defaults(func=_cmd_rl)
+
+
+def _cmd_sft(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from lorafleet.rl.sft import SFTConfig, run_sft
+
+    run_sft(SFTConfig(
+        base_model=args.base_model, data=Path(args.data), run_dir=Path(args.run_dir), steps=args.steps,
+        batch_size=args.batch_size, learning_rate=args.lr, rank=args.rank, eval_fraction=args.eval_fraction,
+        eval_every=args.eval_every, seed=args.seed, base_url=args.base_url, api_key=args.api_key,
+        progress=not args.no_progress, dtype=args.dtype,
+    ))
+    return 0
+
+
+def _register_sft(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("sft", help="supervised fine-tuning (cross_entropy) of one adapter from JSONL")
+    parser.add_argument("--data", required=True, help="JSONL: {'messages': [...]} or {'prompt': ..., 'completion': ...}")
+    parser.add_argument("--base-model", default="smollm2-135m", help="preset name or local HF dir")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--eval-fraction", type=float, default=0.2, help="rows held out for the reported loss")
+    parser.add_argument("--eval-every", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--run-dir", default="runs/sft")
+    parser.add_argument("--base-url", default=None, help="a remote lorafleet/Tinker server (default: embedded)")
+    parser.add_argument("--api-key", default=None, help="tml-... key for --base-url")
+    parser.add_argument("--dtype", default="float32", help="embedded server dtype: float32 or bfloat16")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.set_defaults(func=_cmd_sft)
+
+
 # --------------------------------------------------------------------------- entry point
 
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _register_models,
     _register_demo,
     _register_serve,
+    _register_rl,
+    _register_sft,
 ]
 
 

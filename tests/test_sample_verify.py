@@ -99,4 +99,5 @@ def test_bf16_sync_passes_with_the_bf16_tolerance():
     stack = make(torch.bfloat16)
     slot = trained_slot(stack, 5)
     _, result = publish_verified(stack.sampler, stack.trainer, slot, "b")
-    assert result.tolerance == 0.1 and result.differs_check == "passed"
+    assert result.tolerance == 0.02 and result.differs_check == "passed"
+    assert result.max_abs_diff <= 1e-3  # same shapes on both sides: rounding noise only

@@ -2,8 +2,8 @@
 
 Every env asks for the final answer inside `<answer>...</answer>` so one extractor serves all of
 them, and a small model gets a learnable signal (the format) before it gets the content right.
-`format_weight` is the share of the reward paid for a well-formed tag alone; the rest is paid for
-a correct answer.
+A correct tagged answer earns 1; a correct number left untagged earns `partial` (shaping that
+gives a 135M model a gradient from the first step).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+NUMBER_RE = re.compile(r"-?\d+")
 INSTRUCTION = "Put only the final answer inside <answer></answer>, for example <answer>42</answer>."
 
 
@@ -47,12 +48,17 @@ def _numbers_equal(got: str, want: str) -> bool:
 
 @dataclass
 class ArithmeticEnv:
-    """Built in, no extra dependency: `a op b` with operands in [0, max_operand]."""
+    """Built in, no extra dependency: `a op b` with operands in [0, max_operand].
+
+    Reward: 1 for the correct number in the tag; `partial` when the correct number appears in
+    the text but not (correctly) tagged. SmolLM2-135M names the right sum ~40% of the time but
+    almost never uses the tag, so the partial credit is what gives a 135M model a gradient at
+    the start; the tag bonus is what it learns next."""
 
     name: str = "arithmetic"
-    max_operand: int = 20
+    max_operand: int = 10
     ops: str = "+"
-    format_weight: float = 0.5
+    partial: float = 0.5
 
     def problems(self, rng: random.Random, count: int) -> list[Problem]:
         out = []
@@ -65,10 +71,9 @@ class ArithmeticEnv:
 
     def score(self, problem: Problem, completion: str) -> float:
         got = extract_answer(completion)
-        if got is None:
-            return 0.0
-        correct = _numbers_equal(got, problem.answer)
-        return self.format_weight + (1.0 - self.format_weight) * float(correct)
+        if got is not None and _numbers_equal(got, problem.answer):
+            return 1.0
+        return self.partial * float(problem.answer in NUMBER_RE.findall(completion))
 
 
 @dataclass
@@ -95,7 +100,7 @@ class ReasoningGymEnv:
     problems it would have seen without the interruption."""
 
     task: str
-    format_weight: float = 0.1
+    partial: float = 0.5
     name: str = ""
     _module: Any = field(default=None, repr=False)
     _scorer: Any = field(default=None, repr=False)
@@ -120,10 +125,12 @@ class ReasoningGymEnv:
 
     def score(self, problem: Problem, completion: str) -> float:
         got = extract_answer(completion)
-        if got is None:
-            return 0.0
-        value = float(self._scorer.score_answer(got, problem.entry))  # stateless per entry
-        return self.format_weight + (1.0 - self.format_weight) * value
+        if got is not None:
+            return float(self._scorer.score_answer(got, problem.entry))  # stateless per entry
+        # Same shaping as ArithmeticEnv: partial credit when an untagged number scores.
+        numbers = NUMBER_RE.findall(completion)[-5:]
+        best = max((float(self._scorer.score_answer(n, problem.entry)) for n in numbers), default=0.0)
+        return self.partial * best
 
 
 BUILTIN = {"arithmetic": ArithmeticEnv, "tag": TagEnv}

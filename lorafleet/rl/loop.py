@@ -70,7 +70,7 @@ class RLConfig:
     api_keys: list[str] | None = None
     resume: bool = False
     progress: bool = True
-    dtype: str = "bfloat16"
+    dtype: str = "float32"  # bfloat16 trips the server's sampler/trainer canary on SmolLM2 (0.31 > 0.1)
     torch_threads: int | None = None
 
 
@@ -127,6 +127,7 @@ class TenantRunner:
         self.metrics = MetricsLog(self.dir / "metrics.jsonl", resume=run.resume)
         self.result = TenantResult(cfg.name, self.metrics.rows)
         self.service: tinker.ServiceClient | None = None
+        self.done = threading.Event()
 
     # ------------------------------------------------------------------ lifecycle
     def run(self) -> None:
@@ -141,6 +142,7 @@ class TenantRunner:
                     self.service.close("errored" if self.result.error else "success").result(timeout=30)
                 except (tinker.TinkerError, TimeoutError, OSError) as exc:
                     self.result.error = self.result.error or f"close: {exc}"
+            self.done.set()
 
     def _run(self) -> None:
         cfg = self.cfg
@@ -161,7 +163,7 @@ class TenantRunner:
         step = start
         try:
             while step < self.run_cfg.steps and not self.stop.is_set():
-                row = self._step(tc, tokenizer, step)
+                row = self.train_step(tc, tokenizer, step)
                 self.metrics.append(row)
                 step += 1
                 self.progress.update(cfg.name, step, _stats(row))
@@ -191,7 +193,7 @@ class TenantRunner:
         atomic_write_json(self.dir / "state.json", asdict(Checkpoint(step, state, sampler)))
 
     # ------------------------------------------------------------------ one GRPO step
-    def _step(self, tc: tinker.TrainingClient, tokenizer: Any, step: int) -> dict[str, Any]:
+    def train_step(self, tc: tinker.TrainingClient, tokenizer: Any, step: int) -> dict[str, Any]:
         cfg = self.cfg
         t0 = time.perf_counter()
         sampler = tc.save_weights_and_get_sampling_client().result()
@@ -284,16 +286,19 @@ def run_rl(config: RLConfig, *, on_step: StepHook | None = None) -> dict[str, Te
             threads = [threading.Thread(target=r.run, name=f"rl-{r.cfg.name}", daemon=True) for r in runners]
             for thread in threads:
                 thread.start()
-            while any(t.is_alive() for t in threads):
+            # Poll with sleep, not join(timeout): a KeyboardInterrupt inside Thread.join can
+            # leave the thread marked as finished while it still runs (CPython gh-90882).
+            while not all(r.done.is_set() for r in runners):
                 try:
-                    for thread in threads:
-                        thread.join(0.2)
+                    time.sleep(0.1)
                 except KeyboardInterrupt:
                     if interrupted:
                         raise  # a second Ctrl-C: stop waiting for the saves
                     interrupted = True
                     stop.set()
                     print("\ninterrupted: each tenant finishes its step, saves and stops (Ctrl-C again to abort)")
+            for thread in threads:
+                thread.join()
     finally:
         backend.close()
     results = {r.cfg.name: r.result for r in runners}

@@ -83,15 +83,17 @@ def plot_curves(path: Path, curves: dict[str, Sequence[dict[str, Any]]], key: st
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
+    plotted = 0
     for name, rows in curves.items():
         points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
         if points:
             xs, ys = zip(*points, strict=True)
             ax.plot(xs, ys, marker="o", markersize=3, label=name)
+            plotted += 1
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
-    if curves:
+    if plotted:
         ax.legend()
     fig.tight_layout()
     buf = io.BytesIO()

@@ -32,9 +32,11 @@ from lorafleet.train.engine import TrainEngine, TrainItem
 
 CANARY_LENGTH = 16
 
-TOLERANCES: dict[torch.dtype, float] = {torch.float32: 1e-4, torch.bfloat16: 0.1}
-"""Max |sampler - trainer| log-prob per position. bf16 is loose because the two paths batch
-and order their matmuls differently (row cache vs padded batch), each rounding to 8 bits."""
+TOLERANCES: dict[torch.dtype, float] = {torch.float32: 1e-4, torch.bfloat16: 0.02}
+"""Max |sampler - trainer| log-prob per position. Both sides run the same shapes (one row of
+the whole canary), so they agree to rounding noise (bit-exact on the CPUs we measured). Shapes
+matter in bf16: on SmolLM2-135M the *trainer's own* log-probs of the same 15 targets move by up
+to 0.31 when a 16th input token is appended, because matmul blocking follows the shape."""
 
 
 class SyncVerificationError(RuntimeError):
@@ -64,30 +66,25 @@ def adapter_is_zero(trainer: TrainEngine, slot: int) -> bool:
 
 
 def _trainer_logprobs(trainer: TrainEngine, slot: int, tokens: list[int]) -> torch.Tensor:
+    """log p(tokens[i + 1] | tokens[: i + 1]) from a forward over all of `tokens`: the same input
+    shape as the sampler's prefill (the last position gets a dummy, zero-weight target)."""
     seq = torch.tensor(tokens, dtype=torch.int64)
-    item = TrainItem(
-        slot=slot,
-        tokens=seq[:-1],
-        loss_fn="cross_entropy",
-        loss_inputs={"target_tokens": seq[1:], "weights": torch.ones(seq.numel() - 1)},
-    )
-    return trainer.forward([item]).items[0].logprobs.float()
+    targets = torch.cat([seq[1:], seq[:1]])
+    weights = torch.ones(seq.numel())
+    weights[-1] = 0.0
+    item = TrainItem(slot=slot, tokens=seq, loss_fn="cross_entropy", loss_inputs={"target_tokens": targets, "weights": weights})
+    return trainer.forward([item]).items[0].logprobs.float()[:-1]
 
 
-def _sampler_logprobs(sampler: SampleEngine, key: VersionKey, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def _sampler_logprobs(sampler: SampleEngine, key: VersionKey | None, tokens: list[int]) -> torch.Tensor:
+    """Prompt log-probs through the real sampling path, one request per call (one row, the
+    trainer's shape)."""
     params = SamplingParams(max_tokens=1, temperature=0.0, stop=[])
-    results = sampler.generate(
-        [
-            SampleRequest(tokens, params, adapter=key, prompt_logprobs=True),
-            SampleRequest(tokens, params, adapter=None, prompt_logprobs=True),
-        ]
-    )
-    out = []
-    for name, result in zip(("version", "base model"), results, strict=True):
-        if result.error is not None or result.prompt_logprobs is None:
-            raise SyncVerificationError(f"canary for {key!r}: the sampler could not run the {name}: {result.error}")
-        out.append(torch.tensor(result.prompt_logprobs[1:], dtype=torch.float32))
-    return out[0], out[1]
+    (result,) = sampler.generate([SampleRequest(tokens, params, adapter=key, prompt_logprobs=True)])
+    if result.error is not None or result.prompt_logprobs is None:
+        what = "the base model" if key is None else repr(key)
+        raise SyncVerificationError(f"canary: the sampler could not run {what}: {result.error}")
+    return torch.tensor(result.prompt_logprobs[1:], dtype=torch.float32)
 
 
 def canary_check(
@@ -108,7 +105,8 @@ def canary_check(
             tolerance = TOLERANCES[sampler.dtype]
         except KeyError:
             raise ValueError(f"no canary tolerance for dtype {sampler.dtype}; pass tolerance=") from None
-    ours, base = _sampler_logprobs(sampler, key, canary)
+    ours = _sampler_logprobs(sampler, key, canary)
+    base = _sampler_logprobs(sampler, None, canary)
     theirs = _trainer_logprobs(trainer, trainer_slot, canary)
     diff = float((ours - theirs).abs().max())
     if not diff <= tolerance:  # also catches NaN
