@@ -105,7 +105,13 @@ def _eos_ids(model: Any, tokenizer: Any | None, vocab: int) -> frozenset[int]:
 
 
 class SampleEngine:
-    """Batched, continuously refilled generation over the sampler bank of an AdaptedModel."""
+    """Batched, continuously refilled generation over the sampler bank of an AdaptedModel.
+
+    `max_rows` bounds the sequences decoding at once (the KV row pool); `prefill_tokens` bounds
+    one admission round's padded prompt tokens. One `generate` runs at a time per engine (a
+    lock), while publishing into the version store from another thread stays safe.
+    `last_traces` records when each sequence of the last call joined and left the batch.
+    """
 
     def __init__(
         self,
