@@ -11,5 +11,17 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+import torch
+
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("LORAFLEET_CACHE", str(Path.home() / ".cache" / "lorafleet-test"))
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models run fastest on one thread, and on shared CPUs OpenMP spin-waits are costly."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

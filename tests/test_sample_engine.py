@@ -39,13 +39,7 @@ def make_stack(num_adapters: int = 4, *, max_rows: int = 32, sample_slots: int =
     return stack, keys
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread, and the shared CPUs make OpenMP spin-waits costly."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from lorafleet.model.loader import load_base
 from lorafleet.model.targets import resolve_tinker_targets
@@ -12,13 +11,7 @@ from lorafleet.sample.colocate import colocate
 from lorafleet.sample.stops import StopChecker
 from lorafleet.sample.validate import StopSpec
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -16,13 +16,7 @@ from lorafleet.sample import (
 from lorafleet.sample.colocate import Colocated, colocate
 from tests._models import tiny_qwen3
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make(dtype: torch.dtype = torch.float32) -> Colocated:

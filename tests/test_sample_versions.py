@@ -26,12 +26,7 @@ SEEDED = SamplingParams(max_tokens=8, temperature=1.0, seed=4, stop=[])
 PROMPT = [5, 17, 33, 2, 71]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make(sample_slots: int = 4, capacity: int | None = None) -> Colocated:
