@@ -350,7 +350,25 @@ def restore_training_state(
     inference bank. All checks run before the slot is claimed; a failure leaves it free.
     """
     src = Path(src)
-    state = read_training_state(src)
+    return apply_training_state(
+        read_training_state(src), src, bank=bank, optimizer=optimizer, base_model_id=base_model_id,
+        slot=slot, load_optimizer=load_optimizer,
+    )
+
+
+def apply_training_state(
+    state: TrainingState,
+    src: PathLike,
+    *,
+    bank: BankSet,
+    optimizer: BankAdamW | None,
+    base_model_id: str,
+    slot: int | None = None,
+    load_optimizer: bool = True,
+) -> int:
+    """`restore_training_state` for a checkpoint already read (and validated) by the caller, so
+    a server that checked it before queueing the load does not parse it again; `src` names it
+    in errors."""
     if state.base_model_id != base_model_id:
         raise CheckpointError(
             f"{src}: checkpoint was trained on base model {state.base_model_id!r}, "

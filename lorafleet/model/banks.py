@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from lorafleet.model.kernels import KernelName, apply_lora
-from lorafleet.model.routing import BASE_SLOT, RoutingError, RoutingScope
+from lorafleet.model.routing import BASE_SLOT, RoutingScope
 
 # Bank parameters are row-slices of the flat [slots, P] buffer, so their gradients (views of
 # the flat gradient buffer) are strided by design. Autograd accumulates into them in place, which
@@ -381,9 +381,3 @@ class BankSet:
                 self.check_slot(slot)
         ids = torch.tensor(list(row_slots), dtype=torch.int64, device=self.params.device)
         return ids.unsqueeze(1).expand(len(row_slots), seq_len)
-
-    def check_routable(self, slot_ids: torch.Tensor) -> None:
-        """Every slot a batch routes to must hold an adapter (slot 0 = base is always fine)."""
-        for slot in torch.unique(slot_ids).tolist():
-            if slot != BASE_SLOT and (slot >= self.num_slots or slot < 0 or self.slots[slot] is None):
-                raise RoutingError(f"routing uses slot {slot}, which holds no adapter in bank {self.name!r}")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lorafleet.adapters.checkpoint import CheckpointError, read_training_state
+from lorafleet.adapters.checkpoint import CheckpointError, TrainingState, read_training_state
 from lorafleet.adapters.peft_io import export_peft
 from lorafleet.model.banks import AdapterSpec, BankError
 from lorafleet.model.loader import load_base
@@ -243,25 +243,23 @@ class Executor:
         self._add_model(op, args.session_id, args.base_model, slot, lora, args.user_metadata)
         return Result.json({"model_id": op.model_id, "type": "create_model"})
 
-    def _checkpoint_state(self, checkpoint: CheckpointRow, what: str) -> Path:
+    def _checkpoint_state(self, checkpoint: CheckpointRow, what: str) -> TrainingState:
         if checkpoint.kind != "training":
             raise UserError(
                 f"{what} needs a training checkpoint (tinker://<model_id>/weights/<name>, from save_state); "
                 f"{checkpoint.tinker_path} holds sampler weights"
             )
-        src = Path(checkpoint.dir)
         try:
-            read_training_state(src)
+            return read_training_state(Path(checkpoint.dir))
         except (CheckpointError, OSError) as exc:
             raise UserError(f"checkpoint {checkpoint.tinker_path} cannot be read: {exc}") from None
-        return src
 
     def _create_from_state(self, op: Op) -> Result:
         args: FromStateArgs = op.payload
-        src = self._checkpoint_state(args.checkpoint, "create_training_client_from_state")
+        state = self._checkpoint_state(args.checkpoint, "create_training_client_from_state")
         self._require_free_slot()
         try:
-            slot = self.trainer.load_state(src, with_optimizer=args.optimizer)
+            slot = self.trainer.load_state(state, with_optimizer=args.optimizer, source=args.checkpoint.dir)
         except (CheckpointError, BankError) as exc:
             raise UserError(f"load {args.checkpoint.tinker_path}: {exc}") from None
         lora = dict(args.checkpoint.info["lora"])
@@ -273,11 +271,11 @@ class Executor:
         """The deprecated in-place load_state: replaces the model's adapter and optimizer state."""
         args: LoadArgs = op.payload
         live = self._live(op)
-        src = self._checkpoint_state(args.checkpoint, "load_state")
+        state = self._checkpoint_state(args.checkpoint, "load_state")
         spec = self.trainer.bank.check_slot(live.slot).spec
         self.trainer.free_adapter(live.slot)
         try:
-            self.trainer.load_state(src, slot=live.slot, with_optimizer=args.optimizer)
+            self.trainer.load_state(state, slot=live.slot, with_optimizer=args.optimizer, source=args.checkpoint.dir)
         except (CheckpointError, BankError) as exc:
             self.trainer.create_adapter(spec, live.slot)  # keep the model usable (freshly initialised)
             raise UserError(f"load {args.checkpoint.tinker_path}: {exc}; the model was reset to a fresh adapter") from None

@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 
 from lorafleet.adapters.checkpoint import (
+    TrainingState,
+    apply_training_state,
     read_training_state,
-    restore_training_state,
     save_training_state,
 )
 from lorafleet.adapters.peft_io import export_peft, import_peft
@@ -304,18 +305,25 @@ class TrainEngine:
             overwrite=overwrite,
         )
 
-    def load_state(self, src: str | Path, *, slot: int | None = None, with_optimizer: bool = True) -> int:
-        slot = restore_training_state(
-            Path(src),
+    def load_state(
+        self, src: str | Path | TrainingState, *, slot: int | None = None, with_optimizer: bool = True,
+        source: str | Path | None = None,
+    ) -> int:
+        """Restores a training checkpoint (a directory, or one already read with
+        `read_training_state`, then `source` names it in errors) into a slot."""
+        if isinstance(src, TrainingState):
+            state, where = src, Path(source or "<checkpoint>")
+        else:
+            state, where = read_training_state(Path(src)), Path(src)
+        slot = apply_training_state(
+            state,
+            where,
             bank=self.bank,
-            optimizer=self.optimizer if with_optimizer else None,
+            optimizer=self.optimizer,
             base_model_id=self.base_model_id,
             slot=slot,
             load_optimizer=with_optimizer,
         )
-        if self.optimizer is not None and not with_optimizer:
-            self.optimizer.reset_slot(slot)
-        state = read_training_state(Path(src))
         if state.hparams is not None:
             self.hparams[slot] = state.hparams
         return slot
