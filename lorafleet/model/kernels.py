@@ -119,14 +119,15 @@ def lora_delta(
     if routing.num_active == 0:
         return None
     xs = x.contiguous() if routing.in_order else x.index_select(0, routing.order)
-    # Banks are fp32 masters; a bf16 base wants bf16 math. Cast whichever side is smaller:
-    # the bank when many tokens run (training, prefill), the few tokens of a decode step
-    # otherwise, so a step never copies every slot's weights for a handful of tokens.
-    bank_rows = (A.shape[0] - 1) * A.shape[1]
-    compute_dtype = x.dtype if xs.shape[0] >= bank_rows else A.dtype
+    # The LoRA path always runs in the bank's dtype (fp32 masters), as PEFT does for fp32
+    # adapters on a bf16 base: the delta of a token then never depends on how many tokens
+    # or slots share the forward, so a trainer forward and a sampler prefill of the same
+    # tokens agree exactly, and gradients reach the fp32 bank without a bf16 round trip.
+    # LoRA flops are ~r(in+out)/(in*out) of the base layer's, so fp32 costs little.
+    compute_dtype = A.dtype
     xs = xs.to(compute_dtype)
-    A_active = A[1:].to(compute_dtype)
-    B_active = B[1:].to(compute_dtype)
+    A_active = A[1:]
+    B_active = B[1:]
     impl = pick_kernel(kernel, compute_dtype, A.shape[2], A.shape[1], B.shape[1])
     if impl == "grouped":
         return _grouped_delta(xs, A_active, B_active, routing)
