@@ -233,3 +233,51 @@ def test_other_architectures_and_eager_attention_match_solo_runs(arch):
     trained = stack.trainer.forward([item]).items[0].logprobs
     expected = torch.cat([torch.tensor(mixed[0].prompt_logprobs[1:]), torch.tensor(seq.logprobs)])
     torch.testing.assert_close(expected, trained, atol=1e-4, rtol=0)
+
+
+def test_requests_submitted_mid_run_join_the_running_batch(stack4):
+    """Continuous batching across callers: a request submitted while others decode joins their
+    batch at the next step (it does not wait for them), and its outputs equal a solo run."""
+    stack, keys = stack4
+    engine = SampleEngine(stack.adapted, stack.versions, max_rows=8)
+    long_params = SamplingParams(max_tokens=12, temperature=0.0, stop=[])
+    early = engine.submit([SampleRequest(prompt(80, 6), long_params, adapter=keys[0], num_samples=2)])
+    for _ in range(3):
+        assert engine.step()
+    assert not early[0].done()
+    late_request = SampleRequest(prompt(81, 4), SamplingParams(max_tokens=4, temperature=0.7, seed=5, stop=[]),
+                                 adapter=keys[1])
+    late = engine.submit([late_request])
+    steps = 0
+    while engine.has_work():
+        engine.step()
+        steps += 1
+    assert not engine.step()  # idle
+    assert early[0].done() and late[0].done()
+    # The early rows need 11 steps for 12 tokens (their first step prefills and decodes): 3
+    # before the late request arrived, 8 after; the late one ran inside those 8.
+    assert steps == 8
+    alone_late = stack.sampler.generate([late_request])[0]
+    alone_early = stack.sampler.generate([SampleRequest(prompt(80, 6), long_params, adapter=keys[0], num_samples=2)])[0]
+    assert [s.tokens for s in late[0].result().sequences] == [s.tokens for s in alone_late.sequences]
+    assert [s.tokens for s in early[0].result().sequences] == [s.tokens for s in alone_early.sequences]
+    assert late[0].result().sequences[0].adapter == keys[1]
+
+
+def test_generate_from_two_threads_shares_the_engine(stack4):
+    import threading
+
+    stack, keys = stack4
+    requests = [SampleRequest(prompt(90 + i, 5), GREEDY, adapter=keys[i % 4]) for i in range(6)]
+    expected = [r.sequences[0].tokens for r in stack.sampler.generate(requests)]
+    got: dict[int, list[int]] = {}
+
+    def run(i: int) -> None:
+        got[i] = stack.sampler.generate([requests[i]])[0].sequences[0].tokens
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert [got[i] for i in range(6)] == expected

@@ -1,10 +1,12 @@
 """Continuous-batching generation for many adapter versions over one shared base model.
 
-`SampleEngine.generate(requests)` runs every request's samples in one batch of rows over the
-frozen base, each row routed to its own sampler slot (slot 0 = base model). Rows live in a
-fixed pool with a `RowCache` (kvcache.py): a finished sequence frees its row at once and a
-waiting one is prefilled into it while the others keep decoding, so a long sequence never holds
-the batch hostage. One engine step is:
+The engine keeps one running batch of rows over the frozen base, each row routed to its own
+sampler slot (slot 0 = base model). Rows live in a fixed pool with a `RowCache` (kvcache.py): a
+finished sequence frees its row at once and a waiting one is prefilled into it while the others
+keep decoding, so a long sequence never holds the batch hostage. Requests join the running batch
+whenever they arrive: `submit` queues them from any thread and returns futures, `step` advances
+the batch by one engine step (whoever drives it: the server's worker between training rounds,
+or `generate`, which submits and steps until its own requests are done). One engine step is:
 1. admit waiting sequences into free rows (pinning their adapter version; one prefill forward
    per admission round, a prompt shared by several samples is prefilled once and its KV copied);
 2. one decode forward over all running rows (one new token each);
@@ -28,6 +30,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +67,8 @@ class _Group:
     """One request while it runs: its version pin and the samples still to finish."""
 
     request: PreparedRequest
+    future: Future[SampleResult]
+    traces: list[SequenceTrace]  # the submission's trace list
     slot: int | None = None  # sampler slot once pinned (BASE_SLOT for the base model)
     pinned: bool = False
     remaining: int = 0
@@ -108,9 +113,10 @@ class SampleEngine:
     """Batched, continuously refilled generation over the sampler bank of an AdaptedModel.
 
     `max_rows` bounds the sequences decoding at once (the KV row pool); `prefill_tokens` bounds
-    one admission round's padded prompt tokens. One `generate` runs at a time per engine (a
-    lock), while publishing into the version store from another thread stays safe.
-    `last_traces` records when each sequence of the last call joined and left the batch.
+    one admission round's padded prompt tokens. Steps run one at a time (a lock); `submit` and
+    publishing into the version store from other threads stay safe meanwhile.
+    `last_traces` records when each sequence of the last `generate` joined and left the batch
+    (in engine steps, counted over the engine's life).
     """
 
     def __init__(
@@ -123,9 +129,13 @@ class SampleEngine:
         prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
     ):
         if adapted.banks.get(versions.bank.name) is not versions.bank:
-            raise ValueError(f"the version store's bank {versions.bank.name!r} is not a bank of this model")
+            raise ValueError(
+                f"the version store's bank {versions.bank.name!r} is not a bank of this model"
+            )
         if max_rows < 1 or prefill_tokens < 1:
-            raise ValueError(f"max_rows and prefill_tokens must be >= 1, got {max_rows}, {prefill_tokens}")
+            raise ValueError(
+                f"max_rows and prefill_tokens must be >= 1, got {max_rows}, {prefill_tokens}"
+            )
         self.adapted = adapted
         self.versions = versions
         self.bank = versions.bank
@@ -153,7 +163,12 @@ class SampleEngine:
         self.dtype = next(model.parameters()).dtype
         self._additive_mask = config._attn_implementation == "eager"
         self.cache = RowCache(int(config.num_hidden_layers), max_rows)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # held while stepping
+        self._queue_lock = threading.Lock()  # guards _incoming
+        self._incoming: deque[_Group] = deque()
+        self._waiting: deque[tuple[_Group, int]] = deque()
+        self._active: list[_Seq] = []
+        self._step = 0
         self.last_traces: list[SequenceTrace] = []
         self._check_logits_path()
 
@@ -163,7 +178,9 @@ class SampleEngine:
         layer_types = getattr(config, "layer_types", None) or []
         odd = sorted({t for t in layer_types if t != "full_attention"})
         if odd:
-            raise NotImplementedError(f"layer types {odd} (e.g. sliding windows) are not supported by the row cache")
+            raise NotImplementedError(
+                f"layer types {odd} (e.g. sliding windows) are not supported by the row cache"
+            )
         if config._attn_implementation not in ("sdpa", "eager"):
             raise NotImplementedError(
                 f"attention implementation {config._attn_implementation!r}: the sampler passes explicit "
@@ -186,54 +203,118 @@ class SampleEngine:
             )
 
     def release_cache(self) -> None:
-        """Frees the KV buffers between sampling phases (they come back on the next generate)."""
+        """Frees the KV buffers between sampling phases (they come back on the next step)."""
         with self._lock:
+            if self._active or self._waiting or self._incoming:
+                raise RuntimeError("release_cache: sequences are still running or queued")
             self.cache.release()
 
     # ------------------------------------------------------------------ public
+    def submit(self, requests: Sequence[SampleRequest]) -> list[Future[SampleResult]]:
+        """Queues requests to join the running batch; one future per request, in order.
+
+        Bad requests resolve at once with their `error`; the others resolve as their last
+        sample finishes, on whichever thread drives `step`.
+        """
+        return self._submit(list(requests), [])
+
+    def has_work(self) -> bool:
+        with self._queue_lock:
+            return bool(self._active or self._waiting or self._incoming)
+
+    def step(self) -> bool:
+        """One engine step (admit + prefill, decode, retire); False when there was nothing to do.
+
+        An exception inside a forward fails every running and queued request with it (their
+        state is not recoverable) and is re-raised.
+        """
+        with self._lock:
+            self._take_incoming()
+            if not self._waiting and not self._active:
+                return False
+            self._step += 1
+            try:
+                self._advance(self._step)
+            except BaseException as exc:
+                self._abort(exc)
+                raise
+            return True
+
     @torch.no_grad()
     def generate(self, requests: Sequence[SampleRequest]) -> list[SampleResult]:
-        """One result per request, in order. Never raises for a bad request (see its `error`)."""
-        with self._lock:
-            return self._generate(list(requests))
+        """One result per request, in order. Never raises for a bad request (see its `error`).
 
-    def _generate(self, requests: list[SampleRequest]) -> list[SampleResult]:
-        prepared = prepare_all(requests, self.limits)
-        results: list[SampleResult | None] = [None] * len(requests)
-        waiting: deque[tuple[_Group, int]] = deque()
-        for index, item in enumerate(prepared):
-            if isinstance(item, SampleError):
-                results[index] = SampleResult([], adapter=getattr(requests[index], "adapter", None), error=item)
-                continue
-            group = _Group(request=item, remaining=item.num_samples, sequences=[None] * item.num_samples)
-            waiting.extend((group, s) for s in range(item.num_samples))
-        active: list[_Seq] = []
+        Requests submitted meanwhile by other threads share the batch; each caller steps the
+        engine until its own requests are done.
+        """
         traces: list[SequenceTrace] = []
-        step = 0
-        try:
-            while waiting or active:
-                step += 1
-                admitted = self._admit(waiting, active, step, results)
-                if admitted:
-                    self._prefill(admitted, active)
-                    self._retire(active, step, results, traces)
-                if active:
-                    self._decode(active)
-                    self._retire(active, step, results, traces)
-                elif not admitted and waiting:
-                    self._fail_stuck(waiting, results)
-        finally:
-            for group in {id(g): g for g, _ in waiting}.values():
-                self._unpin(group)
-            for seq in active:
-                self._unpin(seq.group)
+        futures = self._submit(list(requests), traces)
+        while not all(f.done() for f in futures):
+            self.step()
         self.last_traces = traces
-        assert all(r is not None for r in results)
-        return [r for r in results if r is not None]
+        return [f.result() for f in futures]
+
+    # ------------------------------------------------------------------ the running batch
+    def _submit(
+        self, requests: list[SampleRequest], traces: list[SequenceTrace]
+    ) -> list[Future[SampleResult]]:
+        prepared = prepare_all(requests, self.limits)
+        futures: list[Future[SampleResult]] = []
+        groups: list[_Group] = []
+        for index, item in enumerate(prepared):
+            future: Future[SampleResult] = Future()
+            future.set_running_or_notify_cancel()
+            futures.append(future)
+            if isinstance(item, SampleError):
+                future.set_result(
+                    SampleResult([], adapter=getattr(requests[index], "adapter", None), error=item)
+                )
+                continue
+            groups.append(
+                _Group(
+                    request=item,
+                    future=future,
+                    traces=traces,
+                    remaining=item.num_samples,
+                    sequences=[None] * item.num_samples,
+                )
+            )
+        with self._queue_lock:
+            self._incoming.extend(groups)
+        return futures
+
+    def _take_incoming(self) -> None:
+        with self._queue_lock:
+            while self._incoming:
+                group = self._incoming.popleft()
+                self._waiting.extend((group, s) for s in range(group.request.num_samples))
+
+    @torch.no_grad()
+    def _advance(self, step: int) -> None:
+        waiting, active = self._waiting, self._active
+        admitted = self._admit(waiting, active, step)
+        if admitted:
+            self._prefill(admitted, active)
+            self._retire(active, step)
+        if active:
+            self._decode(active)
+            self._retire(active, step)
+        elif not admitted and waiting:
+            self._fail_stuck(waiting)
+
+    def _abort(self, exc: BaseException) -> None:
+        groups = {id(g): g for g, _ in self._waiting}
+        groups.update({id(s.group): s.group for s in self._active})
+        for group in groups.values():
+            self._unpin(group)
+            if not group.future.done():
+                group.future.set_exception(exc)
+        self._waiting.clear()
+        self._active.clear()
 
     # ------------------------------------------------------------------ scheduling
     def _admit(
-        self, waiting: deque[tuple[_Group, int]], active: list[_Seq], step: int, results: list[SampleResult | None]
+        self, waiting: deque[tuple[_Group, int]], active: list[_Seq], step: int
     ) -> list[_Seq]:
         """Moves waiting sequences into free rows, in order, skipping requests whose version
         cannot be made resident right now (they wait for slots to unpin)."""
@@ -255,7 +336,7 @@ class SampleEngine:
                 if prefill_groups and new_longest * (len(prefill_groups) + 1) > self.prefill_tokens:
                     waiting.appendleft((group, sample))
                     break
-                if not group.pinned and not self._pin(group, results):
+                if not group.pinned and not self._pin(group):
                     if group.error is None:
                         blocked.add(id(group))
                         deferred.append((group, sample))
@@ -277,7 +358,7 @@ class SampleEngine:
         waiting.extendleft(reversed(deferred))
         return admitted
 
-    def _pin(self, group: _Group, results: list[SampleResult | None]) -> bool:
+    def _pin(self, group: _Group) -> bool:
         key = group.request.adapter
         if key is None:
             group.slot, group.pinned = BASE_SLOT, True
@@ -287,10 +368,10 @@ class SampleEngine:
         except NoFreeSlotError:
             return False
         except UnknownVersionError as exc:
-            self._fail(group, SampleError("unknown_version", str(exc)), results)
+            self._fail(group, SampleError("unknown_version", str(exc)))
             return False
         except VersionUnavailableError as exc:
-            self._fail(group, SampleError("version_unavailable", str(exc)), results)
+            self._fail(group, SampleError("version_unavailable", str(exc)))
             return False
         group.pinned = True
         return True
@@ -301,11 +382,11 @@ class SampleEngine:
             if group.request.adapter is not None:
                 self.versions.release(group.request.adapter)
 
-    def _fail(self, group: _Group, error: SampleError, results: list[SampleResult | None]) -> None:
+    def _fail(self, group: _Group, error: SampleError) -> None:
         group.error = error
-        results[group.request.index] = SampleResult([], adapter=group.request.adapter, error=error)
+        group.future.set_result(SampleResult([], adapter=group.request.adapter, error=error))
 
-    def _fail_stuck(self, waiting: deque[tuple[_Group, int]], results: list[SampleResult | None]) -> None:
+    def _fail_stuck(self, waiting: deque[tuple[_Group, int]]) -> None:
         """Nothing runs and nothing could be admitted: the remaining versions cannot get a slot."""
         while waiting:
             group, _ = waiting.popleft()
@@ -317,7 +398,6 @@ class SampleEngine:
                         f"version {group.request.adapter!r}: no sampler slot could be freed for it "
                         f"(capacity {self.versions.capacity}, all pinned elsewhere)",
                     ),
-                    results,
                 )
 
     # ------------------------------------------------------------------ forwards
@@ -332,12 +412,18 @@ class SampleEngine:
     ) -> torch.Tensor:
         """Runs rows `rows` of the pool on `input_ids` [n, q]; fp32 logits of (pick_rows, pick_pos)."""
         n, q = input_ids.shape
-        _, mask, positions = self.cache.plan(rows, starts, q, dtype=self.dtype, additive=self._additive_mask)
+        _, mask, positions = self.cache.plan(
+            rows, starts, q, dtype=self.dtype, additive=self._additive_mask
+        )
         slot_ids = row_slots.unsqueeze(1).expand(n, q)
         try:
             with self.adapted.routing(self.bank.name, slot_ids):
                 hidden = self.decoder(
-                    input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=self.cache, use_cache=True
+                    input_ids=input_ids,
+                    attention_mask=mask,
+                    position_ids=positions,
+                    cache=self.cache,
+                    use_cache=True,
                 ).last_hidden_state
         finally:
             self.cache.finish()
@@ -388,7 +474,9 @@ class SampleEngine:
         for offset, seq in enumerate(ordered):
             seq.length = seq.group.request.prompt_len
             if offset >= len(groups):
-                self.cache.copy_row(first_row + leader_index[id(seq.group)], first_row + offset, seq.length)
+                self.cache.copy_row(
+                    first_row + leader_index[id(seq.group)], first_row + offset, seq.length
+                )
             active.append(seq)
         picks = torch.tensor([last_pick[leader_index[id(s.group)]] for s in ordered], device=device)
         self._sample(ordered, logits[picks], logprobs[picks])
@@ -402,7 +490,9 @@ class SampleEngine:
         if request.prompt_logprobs:
             group.prompt_logprobs = [None, *values]
         if request.topk_prompt:
-            group.topk_prompt = [None, *topk_lists(predicting, request.topk_prompt)] if targets.numel() else [None]
+            group.topk_prompt = (
+                [None, *topk_lists(predicting, request.topk_prompt)] if targets.numel() else [None]
+            )
 
     def _decode(self, active: list[_Seq]) -> None:
         device = self.device
@@ -437,9 +527,7 @@ class SampleEngine:
             elif len(seq.tokens) >= seq.group.request.max_new_tokens:
                 seq.stop_reason = "length"
 
-    def _retire(
-        self, active: list[_Seq], step: int, results: list[SampleResult | None], traces: list[SequenceTrace]
-    ) -> None:
+    def _retire(self, active: list[_Seq], step: int) -> None:
         """Removes finished rows, moving the last running row into each hole."""
         for row in range(len(active) - 1, -1, -1):
             seq = active[row]
@@ -450,9 +538,9 @@ class SampleEngine:
                 self.cache.copy_row(last, row, active[last].length)
                 active[row] = active[last]
             active.pop()
-            self._complete(seq, step, results, traces)
+            self._complete(seq, step)
 
-    def _complete(self, seq: _Seq, step: int, results: list[SampleResult | None], traces: list[SequenceTrace]) -> None:
+    def _complete(self, seq: _Seq, step: int) -> None:
         group = seq.group
         request = group.request
         assert seq.stop_reason is not None
@@ -463,13 +551,17 @@ class SampleEngine:
             adapter=request.adapter,
             topk_logprobs=seq.topk,
         )
-        traces.append(SequenceTrace(request.index, seq.sample, seq.admitted_step, step, len(seq.tokens)))
+        group.traces.append(
+            SequenceTrace(request.index, seq.sample, seq.admitted_step, step, len(seq.tokens))
+        )
         group.remaining -= 1
         if group.remaining == 0:
             self._unpin(group)
-            results[request.index] = SampleResult(
-                sequences=[s for s in group.sequences if s is not None],
-                adapter=request.adapter,
-                prompt_logprobs=group.prompt_logprobs,
-                topk_prompt_logprobs=group.topk_prompt,
+            group.future.set_result(
+                SampleResult(
+                    sequences=[s for s in group.sequences if s is not None],
+                    adapter=request.adapter,
+                    prompt_logprobs=group.prompt_logprobs,
+                    topk_prompt_logprobs=group.topk_prompt,
+                )
             )
