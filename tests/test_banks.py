@@ -152,9 +152,27 @@ def test_grouped_and_loop_kernels_agree_with_uneven_and_empty_groups(dtype):
     assert g_grouped[2].abs().max() == 0
 
 
+def test_grouped_kernel_runs_only_the_span_of_slots_with_tokens():
+    """Leading and trailing idle slots are sliced away (a view); results equal the loop's."""
+    outputs = {}
+    for kernel in ("grouped", "loop"):
+        adapted, bank = _build(tiny_qwen3, kernel=kernel)
+        input_ids = torch.randint(0, 96, (3, 5), generator=torch.Generator().manual_seed(4))
+        slot_ids = torch.tensor([[3] * 5, [0] * 5, [3, 3, 3, 0, 0]])
+        with adapted.routing("train", slot_ids) as routing:
+            assert (routing.first_active, routing.last_active) == (3, 3)
+            logits = adapted.model(input_ids).logits
+        logits.sum().backward()
+        outputs[kernel] = (logits.detach(), bank.grads.clone())
+    torch.testing.assert_close(outputs["grouped"][0], outputs["loop"][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outputs["grouped"][1], outputs["loop"][1], atol=1e-5, rtol=1e-4)
+    assert outputs["grouped"][1][3].abs().max() > 0
+    assert outputs["grouped"][1][[1, 2, 4]].abs().max() == 0
+
+
 def test_bf16_base_matches_peft_within_dtype_tolerance():
     """Our bf16 logits are at least as close to the fp32 truth as PEFT's own bf16 run is
-    (the LoRA path may even run in fp32 when the batch has fewer tokens than bank rows)."""
+    (the LoRA path runs in fp32, as PEFT's does with fp32 adapter weights)."""
     adapted, bank = _build(tiny_qwen3, dtype=torch.bfloat16)
     input_ids = torch.randint(0, 96, (len(ROW_SLOTS), SEQ), generator=torch.Generator().manual_seed(1))
     with torch.no_grad(), adapted.routing("train", bank.slot_ids_for_rows(ROW_SLOTS, SEQ)):

@@ -16,6 +16,7 @@ Never gather per-token weight matrices (`A[slot_ids]`): measured 60-230x slower.
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import torch
@@ -48,11 +49,13 @@ def grouped_mm_available() -> bool:
     return hasattr(torch, "_grouped_mm")
 
 
+@functools.cache
 def grouped_mm_fits(dtype: torch.dtype, *dims: int) -> bool:
-    """grouped_mm needs every row stride to be a multiple of 16 bytes."""
+    """grouped_mm needs every row stride to be a multiple of 16 bytes (cached: every layer of
+    every forward asks)."""
     if not grouped_mm_available() or dtype not in _GROUPED_DTYPES:
         return False
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     return all((d * itemsize) % 16 == 0 for d in dims)
 
 
@@ -72,9 +75,13 @@ def pick_kernel(kernel: KernelName, dtype: torch.dtype, in_features: int, rank: 
 
 def _grouped_delta(xs: torch.Tensor, A: torch.Tensor, B: torch.Tensor, routing: Routing) -> torch.Tensor:
     # A: [G, r, in] -> [G, in, r]; B: [G, out, r] -> [G, r, out]; both transposed views, no copy.
-    hidden = torch._grouped_mm(xs, A.transpose(1, 2), offs=routing.offsets)
+    # Only the slots from first_active to last_active run (offsets are cumulative, so the
+    # slice still starts at token 0).
+    first, last = routing.first_active, routing.last_active
+    offsets = routing.offsets[first - 1 : last]
+    hidden = torch._grouped_mm(xs, A[first - 1 : last].transpose(1, 2), offs=offsets)
     hidden = _contiguous_grad(hidden * routing.token_scale.to(hidden.dtype))
-    return _contiguous_grad(torch._grouped_mm(hidden, B.transpose(1, 2), offs=routing.offsets))
+    return _contiguous_grad(torch._grouped_mm(hidden, B[first - 1 : last].transpose(1, 2), offs=offsets))
 
 
 def _loop_delta(xs: torch.Tensor, A: torch.Tensor, B: torch.Tensor, routing: Routing) -> torch.Tensor:
@@ -142,6 +149,7 @@ def apply_lora(
     delta = lora_delta(x, A, B, routing, kernel)
     if delta is None:
         return base_out
+    # In place: base_out is the base layer's fresh output, which its backward does not keep.
     if routing.in_order:
-        return base_out + delta.to(base_out.dtype)
-    return base_out.index_add(0, routing.order, delta.to(base_out.dtype))
+        return base_out.add_(delta.to(base_out.dtype))
+    return base_out.index_add_(0, routing.order, delta.to(base_out.dtype))

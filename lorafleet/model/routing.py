@@ -41,6 +41,14 @@ class Routing:
     counts: tuple[int, ...]  # tokens per slot 1..num_slots-1 (host copy, for the loop kernel)
     token_scale: torch.Tensor  # float32 [M, 1]
     in_order: bool = False  # every token uses an adapter and tokens are already slot-sorted
+    # The span of slots [first, last] that own tokens (1 and 0 when none do): kernels run only
+    # those groups (a view of the bank), so a pool of mostly idle slots costs nothing.
+    first_active: int = 1
+    last_active: int = 0
+    # Per-token view for layers that regroup tokens themselves (MoE experts sort (token,
+    # expert) pairs by (expert, slot)): each flat token's slot, and each slot's LoRA scale.
+    slot_ids: torch.Tensor | None = None  # int64 [num_tokens]
+    slot_scales: torch.Tensor | None = None  # float32 [num_slots]
 
     @property
     def num_active(self) -> int:
@@ -84,6 +92,7 @@ def build_routing(
         active_idx = torch.nonzero(flat > BASE_SLOT, as_tuple=False).reshape(-1)
         order = active_idx[torch.argsort(flat[active_idx], stable=True)]
     offsets = torch.cumsum(counts[1:], dim=0).to(torch.int32)
+    active = [slot for slot, count in enumerate(counts.tolist()) if slot > BASE_SLOT and count > 0]
     token_scale = slot_scales.to(torch.float32)[flat[order]].unsqueeze(1)
     return Routing(
         bank=bank,
@@ -94,6 +103,10 @@ def build_routing(
         counts=tuple(int(c) for c in counts[1:].tolist()),
         token_scale=token_scale,
         in_order=in_order,
+        first_active=active[0] if active else 1,
+        last_active=active[-1] if active else 0,
+        slot_ids=flat,
+        slot_scales=slot_scales.to(torch.float32).clone(),
     )
 
 
