@@ -53,3 +53,25 @@ def test_each_sequence_draws_from_its_own_stream_whatever_the_batch():
     alone = [choose_tokens(logits[i : i + 1], [temps[i]], [ks[i]], [ps[i]], [sequence_generator(7, i)]).item() for i in range(n)]
     assert alone == together.tolist()
     assert draw(64, seed=1).tolist() != draw(64, seed=2).tolist()
+
+
+def test_two_level_inverse_cdf_equals_a_full_float64_cdf():
+    from lorafleet.sample.sampling import CDF_CHUNK, _inverse_cdf
+
+    gen = torch.Generator().manual_seed(7)
+    vocab = 3 * CDF_CHUNK + 37  # not a multiple of the chunk
+    logits = torch.randn(64, vocab, generator=gen) * 4
+    logits[:, ::3] = -torch.inf  # filtered tokens must never come back
+    logits[5, :] = -torch.inf
+    logits[5, 2 * CDF_CHUNK + 5] = 0.0  # all the mass on one token
+    probs = torch.softmax(logits, dim=-1)
+    draws = torch.rand(64, generator=gen, dtype=torch.float64)
+    draws[:3] = torch.tensor([0.0, 1.0 - 1e-16, 0.5])
+    ours = _inverse_cdf(probs, draws)
+    cdf = probs.double().cumsum(-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(draws.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    reference = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    assert torch.equal(ours, reference)
+    assert bool((probs.gather(1, ours.unsqueeze(1)) > 0).all())
+    assert int(ours[5]) == 2 * CDF_CHUNK + 5

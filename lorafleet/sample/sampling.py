@@ -56,6 +56,39 @@ def _filter_top_p(scaled: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return out
 
 
+CDF_CHUNK = 1024
+"""Vocabulary chunk of the two-level inverse CDF (see `_inverse_cdf`)."""
+
+
+def _inverse_cdf(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+    """Per row, the first token whose cumulative probability exceeds draw * total mass.
+
+    A float64 softmax and cumsum over the whole vocabulary, for every row and step, cost a
+    third of a SmolLM2 decode step; instead the mass is summed per chunk of `CDF_CHUNK` tokens,
+    the chunk holding the draw is found on that short float64 CDF, and only that chunk is
+    cumsummed (in float64). Tokens with zero probability (filtered out) are never returned.
+    """
+    rows, vocab = probs.shape
+    num_chunks = -(-vocab // CDF_CHUNK)
+    padded = torch.nn.functional.pad(probs, (0, num_chunks * CDF_CHUNK - vocab)) if vocab % CDF_CHUNK else probs
+    chunks = padded.view(rows, num_chunks, CDF_CHUNK)
+    chunk_cdf = chunks.sum(-1).to(torch.float64).cumsum(-1)  # [R, C]
+    total = chunk_cdf[:, -1:]
+    # Strictly below the total, so the chunk found has non-zero mass.
+    targets = torch.minimum(draws.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    chunk = torch.searchsorted(chunk_cdf, targets, right=True).clamp_(max=num_chunks - 1)  # [R, 1]
+    before = torch.where(chunk > 0, chunk_cdf.gather(1, (chunk - 1).clamp(min=0)), torch.zeros_like(targets))
+    picked_chunk = chunks.gather(1, chunk.unsqueeze(2).expand(rows, 1, CDF_CHUNK)).squeeze(1)  # [R, CHUNK]
+    within = before + picked_chunk.to(torch.float64).cumsum(-1)
+    index = torch.searchsorted(within, targets, right=True)
+    # Summation order differs between the chunk total and its cumsum, so a draw at the very top
+    # of a chunk can land one past its end: take the chunk's last token with non-zero mass.
+    positions = torch.arange(CDF_CHUNK, device=probs.device).expand(rows, CDF_CHUNK)
+    last_nonzero = torch.where(picked_chunk > 0, positions, torch.full_like(positions, -1)).amax(-1, keepdim=True)
+    index = torch.minimum(index, last_nonzero)
+    return (chunk * CDF_CHUNK + index).squeeze(1)
+
+
 def choose_tokens(
     logits: torch.Tensor,
     temperature: Sequence[float],
@@ -65,23 +98,27 @@ def choose_tokens(
 ) -> torch.Tensor:
     """Next token per row of fp32 `logits` [R, V]; row r follows its own params and generator."""
     rows, vocab = logits.shape
-    chosen = torch.argmax(logits, dim=-1)
     random_rows = [r for r in range(rows) if temperature[r] > 0]
+    if len(random_rows) < rows:
+        chosen = torch.argmax(logits, dim=-1)
+    else:
+        chosen = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if not random_rows:
         return chosen
-    idx = torch.tensor(random_rows, dtype=torch.int64, device=logits.device)
-    temps = torch.tensor([temperature[r] for r in random_rows], dtype=torch.float32, device=logits.device)
-    ks = torch.tensor([top_k[r] for r in random_rows], dtype=torch.int64, device=logits.device)
-    ps = torch.tensor([top_p[r] for r in random_rows], dtype=torch.float32, device=logits.device)
-    scaled = logits[idx].float() / temps.unsqueeze(1)
+    device = logits.device
+    every_row = len(random_rows) == rows
+    idx = torch.tensor(random_rows, dtype=torch.int64, device=device)
+    temps = torch.tensor([temperature[r] for r in random_rows], dtype=torch.float32, device=device)
+    ks = torch.tensor([top_k[r] for r in random_rows], dtype=torch.int64, device=device)
+    ps = torch.tensor([top_p[r] for r in random_rows], dtype=torch.float32, device=device)
+    subset = logits if every_row else logits.index_select(0, idx)
+    scaled = subset.float() / temps.unsqueeze(1)
     scaled = _filter_top_p(_filter_top_k(scaled, ks), ps)
-    probs = torch.softmax(scaled, dim=-1, dtype=torch.float64)
-    cdf = torch.cumsum(probs, dim=-1)
+    probs = torch.softmax(scaled, dim=-1)
     draws = torch.cat([torch.rand(1, generator=generators[r], dtype=torch.float64) for r in random_rows])
-    total = cdf[:, -1:]
-    # Strictly below the total, so the first index whose CDF exceeds it has non-zero probability.
-    targets = torch.minimum(draws.to(cdf.device).unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
-    picked = torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp_(max=vocab - 1)
+    picked = _inverse_cdf(probs, draws.to(device)).clamp_(max=vocab - 1)
+    if every_row:
+        return picked
     chosen[idx] = picked
     return chosen
 
