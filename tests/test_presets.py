@@ -48,7 +48,7 @@ def _file_digests(directory: Path) -> dict[str, str]:
 
 
 def test_registry():
-    assert preset_names() == ["tiny-qwen3", "tiny-llama", "smollm2-135m"]
+    assert preset_names() == ["tiny-qwen3", "tiny-llama", "tiny-qwen3-moe", "smollm2-135m"]
     assert all(is_preset(name) for name in preset_names())
     assert not is_preset("no-such-model")
     assert all(spec.description for spec in PRESETS.values())

@@ -4,6 +4,18 @@ The exchange format with the rest of the ecosystem (PEFT, vLLM, the HF Hub) is w
 `PeftModel.save_pretrained` writes for a LoRA on a causal LM: `adapter_config.json` plus
 `adapter_model.safetensors` with keys `base_model.model.<module path>.lora_{A,B}.weight`.
 
+Fused MoE experts (3-D parameters, see model/experts.py) are written in one of two layouts:
+- "peft": PEFT's `target_parameters` form. One `lora_A[E * r, in]` / `lora_B[out, r * E]` pair
+  per targeted parameter (A expert-major, B rank-major, as PEFT's ParamWrapper reshapes them),
+  under the experts module's path; a second targeted parameter of the same module sits one
+  `base_layer.` deeper, because PEFT nests one wrapper per parameter (declaration order, the
+  first innermost). PEFT loads it; so does vLLM for architectures it keeps fused (3-D).
+- "checkpoint": the base checkpoint's own per-expert 2-D modules (e.g. `experts.3.gate_proj`
+  and `experts.3.up_proj`, sharing expert 3's A, each with its rows of B), as transformers'
+  save-time conversion names them. That is the layout vLLM loads for architectures whose
+  checkpoints store experts one by one (Qwen3-MoE, Mixtral). A projection the checkpoint
+  itself stores fused is written in the "peft" form.
+
 Imports are strict: PEFT has many LoRA variants (DoRA, rank patterns, bias training, PiSSA
 residual bases, ...) that load without complaint as plain LoRA weights but compute something
 else. Anything this engine does not compute is rejected by name instead of silently dropped.
@@ -23,9 +35,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from lorafleet.fsio import PathLike, atomic_directory, atomic_save_safetensors, atomic_write_json
-from lorafleet.model.banks import AdapterSpec, BankSet
+from lorafleet.model.banks import AdapterSpec, BankSet, layer_experts
+from lorafleet.model.experts import ExpertProjection, ExpertsError
 
 __all__ = [
+    "EXPERT_LAYOUTS",
     "CONFIG_NAME",
     "WEIGHTS_NAME",
     "PeftFormatError",
@@ -35,6 +49,7 @@ __all__ = [
     "read_peft",
 ]
 
+EXPERT_LAYOUTS = ("peft", "checkpoint")
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 _PREFIX = "base_model.model."
@@ -104,7 +119,9 @@ _IGNORED_FIELDS = frozenset(
         "task_type",
     }
 )
-_CHECKED_FIELDS = frozenset({"peft_type", "r", "lora_alpha", "use_rslora", "init_lora_weights"})
+_CHECKED_FIELDS = frozenset(
+    {"peft_type", "r", "lora_alpha", "use_rslora", "init_lora_weights", "target_parameters"}
+)
 # init_lora_weights values that only pick the starting point. The others (pissa, olora, corda,
 # loftq, lora_ga, mica, ...) go with a modified base model or a different forward.
 _PLAIN_INITS = (True, False, "gaussian", "eva", "orthogonal")
@@ -122,7 +139,10 @@ def _json_number(value: float) -> int | float:
     return int(value) if float(value).is_integer() else float(value)
 
 
-def peft_config(spec: AdapterSpec, targets: list[str], base_model_name_or_path: str) -> dict[str, Any]:
+def peft_config(
+    spec: AdapterSpec, targets: list[str], base_model_name_or_path: str,
+    target_parameters: list[str] | None = None,
+) -> dict[str, Any]:
     """The adapter_config.json PEFT would write for this adapter."""
     config = dict(_PEFT_DEFAULTS)
     config.update(
@@ -130,11 +150,164 @@ def peft_config(spec: AdapterSpec, targets: list[str], base_model_name_or_path: 
             "base_model_name_or_path": base_model_name_or_path,
             "lora_alpha": _json_number(spec.alpha),
             "r": spec.rank,
-            "target_modules": list(targets),
+            "target_modules": list(targets) if targets or not target_parameters else None,
+            "target_parameters": list(target_parameters) if target_parameters else None,
             "use_rslora": bool(spec.use_rslora),
         }
     )
     return config
+
+
+# ------------------------------------------------------------------------ expert layouts
+
+
+def _peft_param_match(path: str, names: list[str]) -> bool:
+    return any(path == name or path.endswith("." + name) for name in names)
+
+
+def _nesting_prefix(projection: ExpertProjection, targeted: list[str]) -> str:
+    """Key prefix of a fused projection in PEFT's nested-ParamWrapper layout: the first
+    targeted parameter (declaration order) is the innermost wrapper."""
+    module_path = projection.module_path
+    order = [p for p in projection.sibling_params() if f"{module_path}.{p}" in targeted]
+    depth = len(order) - 1 - order.index(projection.param)
+    return f"{module_path}." + "base_layer." * depth
+
+
+def _split_experts(A: torch.Tensor, B: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bank form (experts side by side: A[r, E * in], B[E * out, r]) -> A[E, r, in], B[E, out, r]."""
+    rank = A.shape[0]
+    return A.view(rank, experts, -1).transpose(0, 1), B.view(experts, -1, rank)
+
+
+def _join_experts(A_e: torch.Tensor, B_e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of `_split_experts`."""
+    experts, rank, in_features = A_e.shape
+    A = A_e.transpose(0, 1).reshape(rank, experts * in_features)
+    B = B_e.reshape(experts * B_e.shape[1], rank)
+    return A.contiguous(), B.contiguous()
+
+
+def _expert_tensors(
+    bank: BankSet, weights: Mapping[str, tuple[torch.Tensor, torch.Tensor]], layout: str
+) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
+    """Tensors (without the `base_model.model.` prefix) for the expert layers of one slot, plus
+    the per-expert module names and the fused parameter paths they cover."""
+    tensors: dict[str, torch.Tensor] = {}
+    modules: list[str] = []
+    fused: dict[str, ExpertProjection] = {}
+    for path, (A, B) in weights.items():
+        projection = bank.layers[path]
+        assert isinstance(projection, ExpertProjection)
+        names = None
+        if layout == "checkpoint":
+            try:
+                names = projection.checkpoint_names()
+            except ExpertsError as exc:
+                raise ValueError(f"cannot write {path} in the base checkpoint's layout: {exc}") from exc
+        if names is None:
+            fused[path] = projection
+            continue
+        A_e, B_e = _split_experts(A, B, projection.num_experts)
+        for name in names:
+            start, end = name.rows
+            tensors[f"{name.module}.lora_A.weight"] = A_e[name.expert].contiguous()
+            tensors[f"{name.module}.lora_B.weight"] = B_e[name.expert, start:end].contiguous()
+            modules.append(name.module)
+    targeted = sorted(fused)
+    for path, projection in fused.items():
+        A, B = weights[path]
+        A_e, B_e = _split_experts(A, B, projection.num_experts)
+        prefix = _nesting_prefix(projection, targeted)
+        # PEFT's ParamWrapper: lora_A [E * r, in] expert-major rows (e * r + j), lora_B
+        # [out, r * E] rank-major columns (j * E + e).
+        tensors[f"{prefix}lora_A.weight"] = A_e.reshape(-1, A_e.shape[2]).contiguous()
+        tensors[f"{prefix}lora_B.weight"] = B_e.permute(1, 2, 0).reshape(B_e.shape[1], -1).contiguous()
+    return tensors, sorted(modules), targeted
+
+
+def _bank_expert_weights(
+    bank: BankSet,
+    config: Mapping[str, Any],
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    src: Path,
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Rewrites expert LoRA read from a file (either layout) into bank paths and bank form;
+    dense entries pass through. Keys that name no expert projection are left for the dense
+    checks to reject."""
+    projections = [layer for layer in bank.layers.values() if isinstance(layer, ExpertProjection)]
+    if not projections:
+        return weights
+    r = int(config["r"])
+    out = dict(weights)
+    targets = config.get("target_parameters") or []
+    # "peft" layout: nested keys under the experts module path.
+    by_module: dict[str, list[ExpertProjection]] = {}
+    for projection in projections:
+        by_module.setdefault(projection.module_path, []).append(projection)
+    converted: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    if targets:
+        for module_path, members in by_module.items():
+            keys = {k: v for k, v in weights.items() if re.fullmatch(re.escape(module_path) + r"(\.base_layer)*", k)}
+            if not keys:
+                continue
+            params = [p for p in members[0].sibling_params() if _peft_param_match(f"{module_path}.{p}", targets)]
+            if len(keys) != len(params):
+                raise PeftFormatError(
+                    f"{src}: {len(keys)} LoRA pairs under {module_path} but target_parameters selects "
+                    f"{len(params)} of its expert parameters ({params})"
+                )
+            by_param = {p.param: p for p in members}
+            for key, (A, B) in keys.items():
+                depth = key.count(".base_layer")
+                if depth >= len(params):
+                    raise PeftFormatError(f"{src}: {key} is nested deeper than the {len(params)} targeted parameters")
+                param = params[len(params) - 1 - depth]
+                if param not in by_param:
+                    raise PeftFormatError(f"{src}: {module_path}.{param} is not a layer of bank {bank.name!r}")
+                projection = by_param[param]
+                experts = projection.num_experts
+                if A.shape[0] != experts * r or B.shape[1] != experts * r:
+                    raise PeftFormatError(
+                        f"{src}: {key} has lora_A {tuple(A.shape)} / lora_B {tuple(B.shape)}, expected "
+                        f"({experts} experts x r={r}, in) / (out, r x experts)"
+                    )
+                converted[projection.path] = _join_experts(A.view(experts, r, -1), B.view(B.shape[0], r, experts).permute(2, 0, 1))
+                del out[key]
+    # "checkpoint" layout: per-expert 2-D modules.
+    pieces: dict[str, dict[int, list[tuple[tuple[int, int], torch.Tensor, torch.Tensor, str]]]] = {}
+    owners: dict[str, ExpertProjection] = {}
+    for projection in projections:
+        try:
+            names = projection.checkpoint_names()
+        except ExpertsError:
+            names = None
+        for name in names or []:
+            if name.module in weights:
+                A, B = out.pop(name.module)
+                pieces.setdefault(projection.path, {}).setdefault(name.expert, []).append((name.rows, A, B, name.module))
+                owners[projection.path] = projection
+    for path, per_expert in pieces.items():
+        if path in converted:
+            raise PeftFormatError(f"{src}: {path} is given both fused and per expert")
+        projection = owners[path]
+        A_e = torch.zeros(projection.num_experts, r, projection.expert_in_features)
+        B_e = torch.zeros(projection.num_experts, projection.expert_out_features, r)
+        for expert, parts in per_expert.items():
+            first = parts[0]
+            for rows, A, B, module in parts:
+                if not torch.equal(A, first[1]):
+                    raise PeftFormatError(
+                        f"{src}: {module} and {first[3]} have different lora_A, but they are one fused "
+                        f"projection ({path}) whose experts share one A; only such adapters import exactly"
+                    )
+                if B.shape[0] != rows[1] - rows[0]:
+                    raise PeftFormatError(f"{src}: {module} lora_B has {B.shape[0]} rows, the checkpoint module has {rows[1] - rows[0]}")
+                B_e[expert, rows[0] : rows[1]] = B
+            A_e[expert] = first[1]
+        converted[path] = _join_experts(A_e, B_e)
+    out.update(converted)
+    return out
 
 
 def export_peft(
@@ -145,12 +318,16 @@ def export_peft(
     base_model_name_or_path: str,
     dtype: torch.dtype = torch.float32,
     overwrite: bool = False,
+    expert_layout: str = "peft",
 ) -> Path:
     """Writes the adapter in `slot` as a PEFT LoRA directory that PEFT and vLLM load as is.
 
     Module paths are written in full in `target_modules`, which PEFT matches exactly, so a
     subset of layers (one block's q_proj, lm_head only) round-trips without regex tricks.
+    Expert LoRA goes in `expert_layout` ("peft" or "checkpoint", see the module docstring).
     """
+    if expert_layout not in EXPERT_LAYOUTS:
+        raise ValueError(f"expert_layout must be one of {EXPERT_LAYOUTS}, got {expert_layout!r}")
     if not isinstance(base_model_name_or_path, str) or not base_model_name_or_path:
         raise ValueError(f"base_model_name_or_path must be a non-empty string, got {base_model_name_or_path!r}")
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -158,12 +335,24 @@ def export_peft(
     info = bank.check_slot(slot)
     weights = bank.slot_weights(slot)
     tensors: dict[str, torch.Tensor] = {}
+    dense: list[str] = []
+    expert_weights = {}
     for path, (A, B) in weights.items():
         for which, t in (("A", A), ("B", B)):
             if not bool(torch.isfinite(t).all()):
                 raise ValueError(f"slot {slot} of bank {bank.name!r}: {path} {which} contains NaN or inf; not exporting it")
+        if layer_experts(bank.layers[path]) != 1:
+            expert_weights[path] = (A, B)
+            continue
+        dense.append(path)
+        for which, t in (("A", A), ("B", B)):
             tensors[f"{_PREFIX}{path}.lora_{which}.weight"] = t.to(dtype)
-    config = peft_config(info.spec, list(info.targets), base_model_name_or_path)
+    target_parameters: list[str] = []
+    if expert_weights:
+        expert_tensors, modules, target_parameters = _expert_tensors(bank, expert_weights, expert_layout)
+        tensors.update({f"{_PREFIX}{key}": t.to(dtype) for key, t in expert_tensors.items()})
+        dense.extend(modules)
+    config = peft_config(info.spec, dense, base_model_name_or_path, target_parameters)
     dest = Path(dest)
     with atomic_directory(dest, overwrite=overwrite) as tmp:
         atomic_write_json(tmp / CONFIG_NAME, config)
@@ -198,6 +387,11 @@ def _validate_config(config: Any, where: Path) -> None:
             f"{where}: init_lora_weights={init!r} is not supported (such adapters need a modified "
             f"base model or a different forward); supported: {list(_PLAIN_INITS)}"
         )
+    target_parameters = config.get("target_parameters")
+    if target_parameters is not None and (
+        not isinstance(target_parameters, list) or not all(isinstance(t, str) and t for t in target_parameters)
+    ):
+        raise PeftFormatError(f"{where}: target_parameters must be a list of parameter names, got {target_parameters!r}")
     bias = config.get("bias", "none")
     if bias != "none":
         raise PeftFormatError(f"{where}: bias={bias!r} is not supported (only 'none')")
@@ -218,6 +412,16 @@ def _parse_key(key: str) -> tuple[str, str, str | None]:
     if match is not None:
         return match["path"], "base", None
     raise KeyError(key)
+
+
+def _is_param_wrapper(path: str, config: Mapping[str, Any]) -> bool:
+    """Whether a key's module path is a module whose parameters target_parameters selects."""
+    module = re.sub(r"(\.base_layer)+$", "", path)
+    for target in config.get("target_parameters") or []:
+        owner = target.rpartition(".")[0]
+        if owner and (module == owner or module.endswith("." + owner)):
+            return True
+    return False
 
 
 def read_peft(src: PathLike) -> tuple[dict[str, Any], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
@@ -287,10 +491,12 @@ def _read(
         for which, t in (("A", A), ("B", B)):
             if not t.is_floating_point():
                 raise PeftFormatError(f"{weights_path}: {path} lora_{which} has dtype {t.dtype}, expected a float type")
-        if A.dim() != 2 or A.shape[0] != r:
+        # A fused-experts parameter (target_parameters) holds E experts' pairs: [E * r, in].
+        rows = A.shape[0] if A.dim() == 2 and _is_param_wrapper(path, config) and A.shape[0] % r == 0 else r
+        if A.dim() != 2 or A.shape[0] != rows:
             raise PeftFormatError(f"{weights_path}: {path} lora_A has shape {tuple(A.shape)}, expected (r={r}, in_features)")
-        if B.dim() != 2 or B.shape[1] != r:
-            raise PeftFormatError(f"{weights_path}: {path} lora_B has shape {tuple(B.shape)}, expected (out_features, r={r})")
+        if B.dim() != 2 or B.shape[1] != rows:
+            raise PeftFormatError(f"{weights_path}: {path} lora_B has shape {tuple(B.shape)}, expected (out_features, r={rows})")
         A32, B32 = A.to(torch.float32), B.to(torch.float32)
         for which, t in (("A", A32), ("B", B32)):
             if not bool(torch.isfinite(t).all()):
@@ -349,6 +555,7 @@ def import_peft(bank: BankSet, src: PathLike, *, slot: int | None = None, seed: 
     """
     src = Path(src)
     config, weights, bases = _read(src)
+    weights = _bank_expert_weights(bank, config, weights, src)
     _check_against_bank(bank, config, weights, bases, src)
     spec = AdapterSpec(
         rank=config["r"],

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from lorafleet.model.banks import BankError, BankSet, LoRALinear
+from lorafleet.model.experts import ExpertProjection, ExpertsError, LoRAExperts, fused_expert_params
 from lorafleet.model.kernels import KERNELS, KernelName
 from lorafleet.model.routing import Routing, RoutingError, RoutingScope, build_routing
 from lorafleet.model.targets import TargetError, linear_layers
@@ -34,10 +35,22 @@ class AdaptedModel:
         self.scope = RoutingScope()
         self.banks: dict[str, BankSet] = {}
         linears = linear_layers(model)
-        self.layers: dict[str, LoRALinear] = {}
+        # Fused MoE expert projections are addressed by parameter path (PEFT's target_parameters
+        # form, e.g. "model.layers.0.mlp.experts.gate_up_proj"); one wrapper per experts module.
+        expert_params, _ = fused_expert_params(model)
+        expert_targets: dict[str, list[str]] = {}
         for path in sorted(set(layer_paths)):
+            if path in expert_params:
+                info = expert_params[path]
+                expert_targets.setdefault(info.module_path, []).append(info.param)
+        self.layers: dict[str, LoRALinear | ExpertProjection] = {}
+        self.experts: dict[str, LoRAExperts] = {}
+        for path in sorted(set(layer_paths)):
+            if path in expert_params:
+                self._wrap_experts(model, expert_params[path].module_path, expert_targets, kernel)
+                continue
             if path not in linears:
-                raise TargetError(f"{path!r} is not a linear layer that can carry LoRA")
+                raise TargetError(f"{path!r} is not a linear layer or fused expert projection that can carry LoRA")
             parent_path, _, child_name = path.rpartition(".")
             parent = model.get_submodule(parent_path) if parent_path else model
             base = getattr(parent, child_name)
@@ -46,8 +59,29 @@ class AdaptedModel:
             wrapper = LoRALinear(base, path, self.scope, kernel)
             setattr(parent, child_name, wrapper)
             self.layers[path] = wrapper
+        self.layers = dict(sorted(self.layers.items()))
         for param in model.parameters():
             param.requires_grad_(False)
+
+    def _wrap_experts(
+        self, model: nn.Module, module_path: str, targets: dict[str, list[str]], kernel: KernelName
+    ) -> None:
+        if module_path in self.experts:
+            return
+        parent_path, _, child_name = module_path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        base = getattr(parent, child_name)
+        if isinstance(base, LoRAExperts):
+            raise TargetError(f"{module_path!r} already carries adapter banks; wrap a model only once")
+        try:
+            wrapper = LoRAExperts(base, module_path, self.scope, kernel, params=targets[module_path])
+        except ExpertsError as exc:
+            raise TargetError(str(exc)) from exc
+        setattr(parent, child_name, wrapper)
+        self.experts[module_path] = wrapper
+        for projection in wrapper.projections.values():
+            projection.set_root(model)
+            self.layers[projection.path] = projection
 
     @property
     def kernel(self) -> str:

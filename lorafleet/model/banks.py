@@ -11,6 +11,13 @@ The rest start at zero and stay exactly zero (their gradients are zero because t
 A rows and B columns are zero), so no mask is needed in the hot path; `load_slot_weights` keeps
 it that way for imported weights.
 
+A layer may also be a bank of E experts (a fused MoE projection, see experts.py). It presents
+itself as the E experts side by side, `in_features = E * in` and `out_features = E * out`, so
+its layout-free form is a dense layer's: `A[rank, E * in]` (expert e's A in columns
+e * in .. (e + 1) * in) and `B[E * out, rank]` (expert e's B in rows e * out ..). The kernel
+views the same storage as `A[slots, r_max, E, in]` and `B[slots, E, out, r_max]`. Checkpoints,
+optimizer moments and slot copies therefore need no expert special case.
+
 The bank values are not registered as parameters of the HF model: `model.parameters()` is the
 frozen base only, and `BankSet.params` is the one obvious answer to "what is trainable".
 """
@@ -75,20 +82,26 @@ def init_seed(adapter_seed: int, module_path: str, which: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def kaiming_uniform_A(rank: int, fan_in: int, seed: int) -> torch.Tensor:
+def kaiming_uniform_A(rank: int, fan_in: int, seed: int, *, width: int | None = None) -> torch.Tensor:
     """PEFT's default A init (kaiming_uniform with a=sqrt(5)): U(-1/sqrt(fan_in), 1/sqrt(fan_in)),
-    fan_in being the full layer's input width, never a shard's."""
+    fan_in being the full layer's input width, never a shard's (one expert's, for experts,
+    whose A is `width` = E * fan_in wide)."""
     bound = 1.0 / math.sqrt(fan_in)
     gen = torch.Generator().manual_seed(seed)
-    return torch.empty(rank, fan_in).uniform_(-bound, bound, generator=gen)
+    return torch.empty(rank, fan_in if width is None else width).uniform_(-bound, bound, generator=gen)
+
+
+def layer_experts(layer: object) -> int:
+    """Experts side by side in a bank layer: 1 for a linear, E for a fused expert projection."""
+    return int(getattr(layer, "num_experts", 1))
 
 
 @dataclass
 class LayerBank:
     """One bank set's A/B views for one wrapped layer."""
 
-    A: nn.Parameter  # [slots, r_max, in]
-    B: nn.Parameter  # [slots, out, r_max]
+    A: nn.Parameter  # [slots, r_max, in], or [slots, r_max, E, in / E] for E experts
+    B: nn.Parameter  # [slots, out, r_max], or [slots, E, out / E, r_max]
     a_span: tuple[int, int]  # column span of A in the flat row
     b_span: tuple[int, int]
 
@@ -199,17 +212,23 @@ class BankSet:
             cursor = _round_up(cursor + b_len, _ALIGN)
             spans[path] = (a_span, b_span)
         if device is None:
-            device = next(iter(layers.values())).base_layer.weight.device
+            device = next(iter(layers.values())).weight.device
         params = torch.zeros(num_slots, cursor, dtype=torch.float32, device=device)
         grads = torch.zeros_like(params) if trainable else None
         layer_banks: dict[str, LayerBank] = {}
         for path, layer in layers.items():
             (a0, a1), (b0, b1) = spans[path]
-            A = nn.Parameter(params[:, a0:a1].view(num_slots, r_store, layer.in_features), requires_grad=trainable)
-            B = nn.Parameter(params[:, b0:b1].view(num_slots, layer.out_features, r_store), requires_grad=trainable)
+            experts = layer_experts(layer)
+            a_shape: tuple[int, ...] = (num_slots, r_store, layer.in_features)
+            b_shape: tuple[int, ...] = (num_slots, layer.out_features, r_store)
+            if experts != 1:
+                a_shape = (num_slots, r_store, experts, layer.in_features // experts)
+                b_shape = (num_slots, experts, layer.out_features // experts, r_store)
+            A = nn.Parameter(params[:, a0:a1].view(a_shape), requires_grad=trainable)
+            B = nn.Parameter(params[:, b0:b1].view(b_shape), requires_grad=trainable)
             if grads is not None:
-                A.grad = grads[:, a0:a1].view(num_slots, r_store, layer.in_features)
-                B.grad = grads[:, b0:b1].view(num_slots, layer.out_features, r_store)
+                A.grad = grads[:, a0:a1].view(a_shape)
+                B.grad = grads[:, b0:b1].view(b_shape)
             layer_bank = LayerBank(A=A, B=B, a_span=(a0, a1), b_span=(b0, b1))
             layer.attach(name, layer_bank)
             layer_banks[path] = layer_bank
@@ -303,8 +322,10 @@ class BankSet:
         rank = info.spec.rank
         for path in info.targets:
             layer = self.layers[path]
-            init = kaiming_uniform_A(rank, layer.in_features, init_seed(info.spec.seed, path, "A"))
-            self.layer_banks[path].A[slot, :rank].copy_(init)
+            # An expert's A has one expert's fan-in, as PEFT draws it.
+            fan_in = layer.in_features // layer_experts(layer)
+            init = kaiming_uniform_A(rank, fan_in, init_seed(info.spec.seed, path, "A"), width=layer.in_features)
+            self.layer_banks[path].A[slot, :rank].copy_(init.view_as(self.layer_banks[path].A[slot, :rank]))
 
     # ------------------------------------------------------------ weights io
     def split_row(self, row: torch.Tensor, rank: int, targets: Sequence[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

@@ -274,6 +274,19 @@ _TINY_LLAMA_CONFIG = {
     "head_dim": 32,
     "tie_word_embeddings": True,
 }
+# Qwen3-MoE: every MLP is 4 routed experts (top-2, no shared expert); head_dim 32 because
+# vLLM's CPU attention has no head_dim-16 kernel.
+_TINY_QWEN3_MOE_CONFIG = {
+    **_TINY_SHARED,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+    "head_dim": 32,
+    "tie_word_embeddings": False,
+}
 _TINY_SEED = 0
 
 
@@ -338,6 +351,12 @@ PRESETS: dict[str, PresetSpec] = {
             description="Random-init 2-layer Llama (hidden 128, tied embeddings) with the same BPE.",
             builder=lambda out: _build_tiny(out, "LlamaForCausalLM", _TINY_LLAMA_CONFIG, _TINY_SEED),
             recipe=_tiny_recipe("LlamaForCausalLM", _TINY_LLAMA_CONFIG),
+        ),
+        PresetSpec(
+            name="tiny-qwen3-moe",
+            description="Random-init 2-layer Qwen3-MoE (hidden 64, 4 experts, top-2) with the same BPE.",
+            builder=lambda out: _build_tiny(out, "Qwen3MoeForCausalLM", _TINY_QWEN3_MOE_CONFIG, _TINY_SEED),
+            recipe=_tiny_recipe("Qwen3MoeForCausalLM", _TINY_QWEN3_MOE_CONFIG),
         ),
         PresetSpec(
             name="smollm2-135m",

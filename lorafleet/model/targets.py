@@ -8,6 +8,10 @@ Two vocabularies resolve to the same thing, a sorted tuple of module paths:
 
 Attention vs MLP is read from the module tree (the nearest ancestor that is an attention block),
 not from a list of projection names, so new architectures need no table here.
+
+Fused MoE experts (3-D expert parameters, see experts.py) are addressed by parameter path, as
+PEFT's `target_parameters` does ("model.layers.0.mlp.experts.gate_up_proj"); Tinker's
+`train_mlp` covers them, since on an MoE model the experts are the MLP.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from lorafleet.model.banks import LoRALinear
+from lorafleet.model.experts import LoRAExperts, fused_expert_params
 
 ALL_LINEAR = "all-linear"
 
@@ -41,7 +46,8 @@ def _is_attention(module: nn.Module) -> bool:
 
 def _router_paths(model: nn.Module) -> set[str]:
     """Linear gates that pick experts: a linear whose sibling `experts` holds as many experts as
-    the gate has outputs. They must stay frozen (LoRA on a router changes routing, not experts)."""
+    the gate has outputs, or a single-output gate that scales a shared expert. They must stay
+    frozen (LoRA on a router changes routing, not experts)."""
     routers: set[str] = set()
     for parent_path, parent in model.named_modules():
         experts = getattr(parent, "experts", None)
@@ -49,12 +55,14 @@ def _router_paths(model: nn.Module) -> set[str]:
             continue
         num_experts = _count_experts(experts)
         for child_name, child in parent.named_children():
-            if isinstance(child, nn.Linear) and child.out_features == num_experts:
+            if isinstance(child, nn.Linear) and child.out_features in (num_experts, 1):
                 routers.add(f"{parent_path}.{child_name}" if parent_path else child_name)
     return routers
 
 
 def _count_experts(experts: nn.Module) -> int:
+    if isinstance(experts, LoRAExperts):
+        return experts.num_experts
     if isinstance(experts, nn.ModuleList):
         return len(experts)
     for param in experts.parameters(recurse=False):
@@ -131,14 +139,44 @@ def resolve_target_modules(
     return tuple(sorted(chosen))
 
 
+def resolve_target_parameters(model: nn.Module, target_parameters: Sequence[str]) -> tuple[str, ...]:
+    """PEFT's `target_parameters` for fused experts: a parameter matches when its path equals a
+    name or ends with "." + name; every name must match at least one fused expert projection."""
+    if isinstance(target_parameters, str) or not list(target_parameters):
+        raise TargetError(f"target_parameters must be a non-empty list of names, got {target_parameters!r}")
+    params, unsupported = fused_expert_params(model)
+    chosen: set[str] = set()
+    for name in target_parameters:
+        if not isinstance(name, str) or not name:
+            raise TargetError(f"target_parameters entry {name!r} is not a parameter name")
+        matched = [p for p in params if _peft_match(p, [name])]
+        if not matched:
+            known = sorted({p.rsplit(".", 1)[-1] for p in params})
+            hint = f"; unsupported experts modules: {sorted(unsupported.values())[:1]}" if unsupported else ""
+            raise TargetError(
+                f"target parameter {name!r} matches no fused expert projection of this model "
+                f"(expert parameters: {known}){hint}"
+            )
+        chosen.update(matched)
+    return tuple(sorted(chosen))
+
+
 def resolve_tinker_targets(
     model: nn.Module, *, train_attn: bool = True, train_mlp: bool = True, train_unembed: bool = True
 ) -> tuple[str, ...]:
-    """Tinker's LoraConfig switches, mapped onto the model's structure."""
+    """Tinker's LoraConfig switches, mapped onto the model's structure (fused MoE expert
+    projections count as MLP; their routers never count)."""
     roles = {role for role, on in (("attn", train_attn), ("mlp", train_mlp), ("unembed", train_unembed)) if on}
     if not roles:
         raise TargetError("train_attn, train_mlp and train_unembed are all false: nothing to train")
     chosen = tuple(sorted(p for p, info in linear_layers(model).items() if info.role in roles))
+    if train_mlp:
+        experts, unsupported = fused_expert_params(model)
+        if unsupported:
+            # Training "the MLP" while skipping experts we cannot compute would be the silent
+            # expert-LoRA drop this engine exists to avoid.
+            raise TargetError(f"train_mlp on a model whose experts cannot carry LoRA: {next(iter(unsupported.values()))}")
+        chosen = tuple(sorted(set(chosen) | set(experts)))
     if not chosen:
         raise TargetError(f"this model has no linear layer with role in {sorted(roles)}")
     return chosen
