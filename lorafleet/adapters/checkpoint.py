@@ -38,6 +38,7 @@ __all__ = [
     "read_training_state",
     "restore_training_state",
     "save_training_state",
+    "write_training_state",
 ]
 
 FORMAT = "lorafleet.training_state"
@@ -120,6 +121,38 @@ def save_training_state(
     A gradient accumulated but not yet stepped is not saved: checkpoints are taken between
     optimizer steps, and a restored slot starts with no pending gradient.
     """
+    _check_optimizer(bank, optimizer)
+    info = bank.check_slot(slot)
+    rank, targets = info.spec.rank, info.targets
+    weights = _split_exact(bank, bank.params[slot], rank, targets, f"slot {slot} weights")
+    moments: dict[str, LayerTensors] | None = None
+    step: int | None = None
+    if optimizer is not None:
+        state = optimizer.slot_state(slot)
+        step = int(state["step"])
+        moments = {
+            name: _split_exact(bank, state[name], rank, targets, f"slot {slot} optimizer {name}") for name in MOMENTS
+        }
+    return write_training_state(
+        dest, spec=info.spec, base_model_id=base_model_id, weights=weights, moments=moments, step=step,
+        hparams=hparams, metadata=metadata, overwrite=overwrite,
+    )
+
+
+def write_training_state(
+    dest: PathLike,
+    *,
+    spec: AdapterSpec,
+    base_model_id: str,
+    weights: LayerTensors,
+    moments: Mapping[str, LayerTensors] | None,
+    step: int | None,
+    hparams: AdamHParams | None,
+    metadata: dict[str, Any] | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Writes a checkpoint from its layout-free parts (per-layer A/B, per-layer moments), e.g.
+    gathered from the ranks of a sharded trainer; `spec.targets` lists the layers in order."""
     if not isinstance(base_model_id, str) or not base_model_id:
         raise CheckpointError(f"base_model_id must be a non-empty string, got {base_model_id!r}")
     if hparams is not None and not isinstance(hparams, AdamHParams):
@@ -131,34 +164,31 @@ def save_training_state(
         json.dumps(metadata, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"metadata is not plain JSON: {exc}") from exc
-    _check_optimizer(bank, optimizer)
-    info = bank.check_slot(slot)
-    rank, targets = info.spec.rank, info.targets
-
-    weights = _split_exact(bank, bank.params[slot], rank, targets, f"slot {slot} weights")
+    if spec.targets is None or list(weights) != list(spec.targets):
+        raise CheckpointError(f"weights cover layers {list(weights)[:3]}..., not the adapter's targets {spec.targets}")
+    if (moments is None) != (step is None):
+        raise CheckpointError("optimizer moments and step go together (both or neither)")
     tensors = {f"{path}.{which}": t for path, (A, B) in weights.items() for which, t in (("A", A), ("B", B))}
 
     opt_tensors: dict[str, torch.Tensor] | None = None
-    step: int | None = None
-    if optimizer is not None:
-        state = optimizer.slot_state(slot)
-        step = int(state["step"])
-        opt_tensors = {"step": state["step"].detach().to("cpu", torch.int64).reshape(())}
+    if moments is not None:
+        assert step is not None
+        opt_tensors = {"step": torch.tensor(int(step), dtype=torch.int64)}
         for name in MOMENTS:
-            moment = _split_exact(bank, state[name], rank, targets, f"slot {slot} optimizer {name}")
-            for path, (A, B) in moment.items():
+            if list(moments[name]) != list(spec.targets):
+                raise CheckpointError(f"optimizer {name} covers other layers than the adapter's targets")
+            for path, (A, B) in moments[name].items():
                 opt_tensors[f"{name}.{path}.A"] = A
                 opt_tensors[f"{name}.{path}.B"] = B
 
-    spec = info.spec
     doc = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "signature": {
-            "rank": rank,
+            "rank": spec.rank,
             "alpha": spec.alpha,
             "use_rslora": bool(spec.use_rslora),
-            "targets": list(targets),
+            "targets": list(spec.targets),
             "base_model_id": base_model_id,
         },
         "seed": spec.seed,

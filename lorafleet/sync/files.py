@@ -135,12 +135,16 @@ class RemoteStaging:
             shutil.rmtree(self.scratch, ignore_errors=True)
 
 
-def stage_peft(staging: Staging, update: AdapterUpdate) -> str:
+def stage_peft(staging: Staging, update: AdapterUpdate, *, expert_layout: str = "peft") -> str:
     """Writes the update as a PEFT LoRA directory named `<adapter>@<version>`; returns the
     engine-side path. fp32 tensors: engines cast to their own dtype, and rounding here would
-    make the canary compare against something the trainer never computed."""
+    make the canary compare against something the trainer never computed. `expert_layout`
+    only matters for MoE experts: "peft" (PEFT's fused `target_parameters`) or "checkpoint"
+    (per-expert 2-D keys, what vLLM loads for Qwen3-MoE and Mixtral; see docs/moe.md)."""
 
     def write(dest: Path) -> None:
-        export_peft(update.bank, update.slot, dest, base_model_name_or_path=update.base_model_id)
+        export_peft(
+            update.bank, update.slot, dest, base_model_name_or_path=update.base_model_id, expert_layout=expert_layout
+        )
 
     return staging.stage(update.version.name, write)

@@ -59,6 +59,9 @@ class RequestPlan:
 class HttpEngine:
     kind = "http"
     modes: frozenset[SyncMode] = frozenset()
+    # How MoE expert LoRA is written for this engine's loader: per-expert 2-D keys, which is
+    # what vLLM and SGLang read for Qwen3-MoE / Mixtral (they refuse PEFT's fused 3-D form).
+    expert_layout = "checkpoint"
 
     def __init__(
         self,
@@ -193,7 +196,7 @@ class HttpEngine:
                 raise SyncError(
                     f"{self.kind} engine: files sync needs a staging target (LocalStaging or RemoteStaging)"
                 )
-            path = stage_peft(self.staging, update)
+            path = stage_peft(self.staging, update, expert_layout=self.expert_layout)
             with self._lock:
                 self._staged[version] = version.name
             try:

@@ -14,7 +14,7 @@ Flow of one `forward_backward(items)`:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -134,6 +134,10 @@ class TrainEngine:
                 raise ValueError(f"bank {bank!r} is inference-only; create it with trainable=True")
             self.optimizer = BankAdamW(self.bank.params, self.bank.grads)
         self.hparams: dict[int, AdamHParams] = {}
+        # Sharded (FSDP) training: each rank runs its share of a micro-batch, and every rank must
+        # take the same branch (backward, or raise) or the others wait forever in a collective.
+        # Given "this rank's losses are finite", it returns whether all ranks' are (lorafleet.dist).
+        self.all_ranks_ok: Callable[[bool], bool] | None = None
 
     # ---------------------------------------------------------------- adapters
     def create_adapter(self, spec: AdapterSpec, slot: int | None = None) -> int:
@@ -265,18 +269,23 @@ class TrainEngine:
         target_logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.to(self.device))
         losses: list[torch.Tensor] = []
         outputs: list[ItemOutput | None] = [None] * rows
+        failure: TrainInputError | None = None
         for row, index in enumerate(layout):
             item = batch[index]
             logprobs = target_logprobs[row, : item.length, : _target_width(item.loss)]
             logprobs = logprobs.reshape(loss_targets(item.loss).shape)
             loss, metrics = compute_loss(item.loss, logprobs)
-            if not math.isfinite(metrics["loss:sum"]):
-                raise TrainInputError(
+            if failure is None and not math.isfinite(metrics["loss:sum"]):
+                failure = TrainInputError(
                     f"loss of a {item.loss.name} datum for slot {item.slot} is {metrics['loss:sum']} "
                     "(log-ratio overflow?); nothing was applied"
                 )
             losses.append(loss)
             outputs[index] = ItemOutput(logprobs=logprobs.detach().float().cpu(), metrics=metrics)
+        if self.all_ranks_ok is not None and not self.all_ranks_ok(failure is None) and failure is None:
+            failure = TrainInputError("a datum on another rank of this batch has a non-finite loss; nothing was applied")
+        if failure is not None:
+            raise failure
         if backward:
             torch.stack(losses).sum().backward()
         return [o for o in outputs if o is not None]

@@ -1,0 +1,182 @@
+"""Ray placement on a local cluster: a trainer-rank actor and two sampler-replica actors.
+
+Versions go from the trainer to every replica through the object store; each replica must
+serve a published version exactly as the others do, and a replica killed in the middle of a
+batch is replaced and re-synced without losing the batch.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from lorafleet.dist.protocol import RankSettings
+from lorafleet.dist.remote import DistTrainEngine
+from lorafleet.model.banks import AdapterSpec
+from lorafleet.sample.types import SampleRequest, SamplingParams
+from lorafleet.sample.verify import publish_verified
+from lorafleet.sample.versions import UnknownVersionError
+from lorafleet.train.engine import TrainItem
+from lorafleet.train.optim import AdamHParams
+
+ray = pytest.importorskip("ray")
+
+from lorafleet.dist.ray_workers import RayRanks, RaySamplerPool, SamplerSettings  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def fleet(ray_cluster, tiny_targets) -> Iterator[tuple[DistTrainEngine, RaySamplerPool]]:
+    trainer = DistTrainEngine(
+        RayRanks(
+            RankSettings(
+                base_model="tiny-qwen3", targets=tiny_targets, num_slots=5, r_max=8, torch_threads=1
+            ),
+            1,
+        )
+    )
+    pool = RaySamplerPool(
+        SamplerSettings(
+            base_model="tiny-qwen3",
+            targets=tiny_targets,
+            slots=4,
+            r_max=8,
+            max_rows=8,
+            torch_threads=1,
+        ),
+        2,
+        trainer=trainer,
+        health_interval_s=0.5,
+    )
+    yield trainer, pool
+    pool.close()
+    trainer.close()
+
+
+def train_step(trainer: DistTrainEngine, slot: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 512, (24,), generator=g)
+    trainer.forward_backward(
+        [
+            TrainItem(
+                slot,
+                tokens,
+                "cross_entropy",
+                {"target_tokens": torch.roll(tokens, -1), "weights": torch.ones(24)},
+            )
+        ]
+    )
+    trainer.optim_step({slot: AdamHParams(learning_rate=2e-2)})
+
+
+def probe(key, max_tokens: int = 12, seed: int = 7, samples: int = 2) -> list[SampleRequest]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, stop=[])
+    return [
+        SampleRequest(
+            [3, 14, 15, 92, 65], params, adapter=key, num_samples=samples, prompt_logprobs=True
+        )
+    ]
+
+
+def served(pool: RaySamplerPool, index: int, key) -> tuple:
+    (result,) = pool.generate_on(index, probe(key))
+    assert result.error is None, result.error
+    return result.prompt_logprobs, [(s.tokens, s.logprobs) for s in result.sequences]
+
+
+def test_a_published_version_is_served_identically_by_every_replica(fleet, tmp_path):
+    trainer, pool = fleet
+    slot = trainer.create_adapter(AdapterSpec(rank=4, alpha=16, seed=3))
+    train_step(trainer, slot, 1)
+    key, check = publish_verified(pool, trainer, slot, "tenant-a/model", version=0)
+    assert check.differs_check == "passed"
+    assert all(key in pool.known_on(i) for i in range(2))
+    first = served(pool, 0, key)
+    assert first == served(pool, 1, key)
+    assert first != served(pool, 0, None)  # not the base model
+    # a newer version of the same adapter, and a saved one registered from the server's files:
+    # both reach both replicas
+    train_step(trainer, slot, 2)
+    newer, _ = publish_verified(pool, trainer, slot, "tenant-a/model")
+    assert newer == ("tenant-a/model", 1)
+    saved = trainer.export_peft(slot, tmp_path / "peft")
+    registered = pool.register("tinker://model/sampler_weights/final", 0, saved)
+    for index in range(2):
+        assert {key, newer, registered} <= set(pool.known_on(index))
+    assert served(pool, 0, newer) == served(pool, 1, newer) == served(pool, 0, registered)
+    assert served(pool, 0, newer) != first
+    # more versions than a replica holds (4 slots): its LRU evicts the older ones, and the pool
+    # sends them again when asked, instead of answering "unavailable"
+    newer_out = served(pool, 0, newer)
+    for _ in range(4):
+        publish_verified(pool, trainer, slot, "tenant-a/model")
+    (evicted,) = pool.generate_on(0, probe(newer))
+    assert evicted.error is not None and evicted.error.code == "version_unavailable"
+    for _ in range(2):  # one call per replica (round robin)
+        (again,) = pool.generate(probe(newer))
+        assert again.error is None
+        assert (
+            again.prompt_logprobs,
+            [(q.tokens, q.logprobs) for q in again.sequences],
+        ) == newer_out
+    # dropping reaches every replica too
+    pool.drop(key)
+    with pytest.raises(UnknownVersionError):
+        pool.info(key)
+    assert all(key not in pool.known_on(i) for i in range(2))
+    trainer.free_adapter(slot)
+
+
+def test_a_replica_killed_mid_batch_is_replaced_and_resynced_without_losing_the_batch(fleet):
+    trainer, pool = fleet
+    slot = trainer.create_adapter(AdapterSpec(rank=8, alpha=16, seed=4))
+    train_step(trainer, slot, 3)
+    keys = [publish_verified(pool, trainer, slot, "tenant-b/model", version=0)[0]]
+    train_step(trainer, slot, 4)
+    keys.append(publish_verified(pool, trainer, slot, "tenant-b/model", version=1)[0])
+    restarts = pool.restarts
+    long_batch = probe(keys[1], max_tokens=160, seed=11, samples=4)
+    out: dict[str, object] = {}
+    runner = threading.Thread(target=lambda: out.setdefault("results", pool.generate(long_batch)))
+    runner.start()
+    deadline = time.monotonic() + 60
+    while not pool.busy():
+        assert time.monotonic() < deadline, "the batch never started"
+        time.sleep(0.02)
+    victim = next(iter(pool.busy()))
+    time.sleep(0.3)  # let it decode a little
+    ray.kill(pool.replica_handle(victim), no_restart=True)
+    runner.join(timeout=300)
+    (result,) = out["results"]
+    assert result.error is None
+    assert [len(s.tokens) for s in result.sequences] == [160] * 4
+    pool.wait_ready(timeout_s=300)
+    assert pool.restarts == restarts + 1
+    for index in range(2):
+        assert set(keys) <= set(pool.known_on(index)), index
+    for key in keys:
+        assert served(pool, 0, key) == served(pool, 1, key)
+    # the batch that was interrupted gives what an undisturbed replica gives (seeded sampling)
+    (again,) = pool.generate_on(victim, long_batch)
+    assert [s.tokens for s in again.sequences] == [s.tokens for s in result.sequences]
+    trainer.free_adapter(slot)
+
+
+def test_an_idle_replica_that_dies_is_noticed_and_replaced(fleet):
+    trainer, pool = fleet
+    slot = trainer.create_adapter(AdapterSpec(rank=2, alpha=4, seed=5))
+    train_step(trainer, slot, 5)
+    key, _ = publish_verified(pool, trainer, slot, "tenant-c/model", version=0)
+    restarts = pool.restarts
+    ray.kill(pool.replica_handle(0), no_restart=True)
+    deadline = time.monotonic() + 120
+    while pool.restarts == restarts:  # the health check finds it without any request
+        assert time.monotonic() < deadline, "the dead replica was not replaced"
+        time.sleep(0.1)
+    pool.wait_ready(timeout_s=300)
+    assert key in pool.known_on(0)
+    assert served(pool, 0, key) == served(pool, 1, key)
+    trainer.free_adapter(slot)
