@@ -97,6 +97,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         sampler_slots=args.sampler_slots,
         max_lora_rank=args.max_lora_rank,
         lora_alpha=args.lora_alpha,
+        dist=_dist_config(args),
     )
     config = ServerConfig(
         base_model=args.base_model,
@@ -110,6 +111,25 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     )
     serve(config)
     return 0
+
+
+def _dist_config(args: argparse.Namespace):
+    """Placement flags -> DistConfig; None keeps the single-process engine."""
+    if args.trainer_ranks == 1 and args.ray is None:
+        if args.sampler_replicas != 1:
+            raise SystemExit("--sampler-replicas needs --ray")
+        return None
+    from lorafleet.dist.stack import DistConfig
+
+    config = DistConfig(
+        trainer_ranks=args.trainer_ranks, ray=args.ray, sampler_replicas=args.sampler_replicas,
+        device=args.trainer_device, torch_threads=args.torch_threads,
+    )
+    try:
+        config.validate()
+    except ValueError as exc:
+        raise SystemExit(f"lorafleet serve: {exc}") from None
+    return config
 
 
 def _register_serve(subparsers: argparse._SubParsersAction) -> None:
@@ -128,6 +148,10 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--batch-window-ms", type=float, default=5.0, help="wait this long for more requests before each engine round"
     )
+    parser.add_argument("--trainer-ranks", type=int, default=1, help="FSDP2 trainer ranks (torchrun here, or Ray actors with --ray)")
+    parser.add_argument("--ray", default=None, metavar="ADDRESS", help="place trainer ranks and samplers on Ray: an address, 'auto' or 'local'")
+    parser.add_argument("--sampler-replicas", type=int, default=1, help="sampler replica actors (with --ray)")
+    parser.add_argument("--trainer-device", default="cpu", choices=["cpu", "cuda"], help="trainer ranks' device: cpu (gloo) or cuda (NCCL)")
     parser.set_defaults(func=_cmd_serve)
 
 
@@ -194,7 +218,7 @@ def _register_rl(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--resume", action="store_true", help="continue each tenant from its last checkpoint")
     parser.add_argument("--base-url", default=None, help="a remote lorafleet/Tinker server (default: embedded)")
     parser.add_argument("--api-key", action="append", help="tml-... key per tenant for --base-url (repeat)")
-    parser.add_argument("--dtype", default="float32", help="embedded server dtype: float32 or bfloat16")
+    parser.add_argument("--dtype", default="bfloat16", help="embedded server dtype: bfloat16 or float32")
     parser.add_argument("--torch-threads", type=int, default=None)
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (logs, CI)")
     parser.set_defaults(func=_cmd_rl)
@@ -228,7 +252,7 @@ def _register_sft(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--run-dir", default="runs/sft")
     parser.add_argument("--base-url", default=None, help="a remote lorafleet/Tinker server (default: embedded)")
     parser.add_argument("--api-key", default=None, help="tml-... key for --base-url")
-    parser.add_argument("--dtype", default="float32", help="embedded server dtype: float32 or bfloat16")
+    parser.add_argument("--dtype", default="bfloat16", help="embedded server dtype: bfloat16 or float32")
     parser.add_argument("--no-progress", action="store_true")
     parser.set_defaults(func=_cmd_sft)
 

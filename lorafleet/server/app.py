@@ -1,6 +1,14 @@
 """FastAPI routes for the Tinker API (SDK 0.38): thin wrappers that authenticate, read the body
 and call `Service`. Every error leaves as JSON `{"error", "category"}` with a 4xx/5xx status,
-never as an empty 400 (which the SDK would mistake for a proxy glitch and retry)."""
+never as an empty 400 (which the SDK would mistake for a proxy glitch and retry).
+
+The API key is checked by `KeyGate` before routing, so a caller without a valid key learns
+nothing: not which routes exist, not how a route validates its parameters, and it cannot make
+the server read a body. Only `GET /api/v1/healthz` (which answers `{"status": "ok"}` and
+nothing else) is open, for liveness probes. Bodies are read incrementally under a size limit
+(protobuf and JSON have their own) and a deadline, so an oversized or trickled body costs the
+server at most the limit in memory and the deadline in time.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +20,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lorafleet.server import schemas
 from lorafleet.server.auth import Tenant
@@ -20,11 +30,33 @@ from lorafleet.server.service import Service
 
 log = logging.getLogger(__name__)
 API = "/api/v1"
+PUBLIC_PATHS = frozenset({f"{API}/healthz"})
+
+
+class KeyGate:
+    """ASGI middleware: every HTTP request but the public paths must carry a valid X-API-Key;
+    the tenant is left in `request.state.tenant` for the routes."""
+
+    def __init__(self, app: ASGIApp, service: Service):
+        self.app = app
+        self.service = service
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS:
+            key = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-api-key"), None)
+            try:
+                who = self.service.authenticate(key)
+            except ApiError as exc:
+                await JSONResponse(exc.body(), status_code=exc.status)(scope, receive, send)
+                return
+            scope.setdefault("state", {})["tenant"] = who
+        await self.app(scope, receive, send)
 
 
 def create_app(service: Service) -> FastAPI:
     app = FastAPI(title="lorafleet", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
+    app.add_middleware(KeyGate, service=service)
 
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
@@ -47,20 +79,31 @@ def create_app(service: Service) -> FastAPI:
         return JSONResponse(body, status_code=500)
 
     def tenant(request: Request) -> Tenant:
-        return service.authenticate(request.headers.get("x-api-key"))
+        who = getattr(request.state, "tenant", None)
+        return who if isinstance(who, Tenant) else service.authenticate(request.headers.get("x-api-key"))
 
-    async def raw_body(request: Request) -> bytes:
-        limit = service.config.max_body_bytes
+    async def raw_body(request: Request, limit: int) -> bytes:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise UserError(f"request body of {declared} bytes is larger than this server's limit of {limit}", status=413)
-        data = await request.body()
-        if len(data) > limit:
-            raise UserError(f"request body of {len(data)} bytes is larger than this server's limit of {limit}", status=413)
-        return data
+            raise UserError(f"request body of {declared} bytes is larger than this server's limit of {limit} for {request.url.path}", status=413)
+        chunks: list[bytes] = []
+        size = 0
+        timeout = service.config.body_timeout_s
+        try:
+            async with asyncio.timeout(timeout):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise UserError(f"request body is larger than this server's limit of {limit} bytes for {request.url.path}", status=413)
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise UserError(f"the request body did not arrive within {timeout:g} s ({size} bytes received)", status=408) from None
+        except ClientDisconnect:
+            raise UserError(f"the client disconnected while sending the body ({size} bytes received)") from None
+        return b"".join(chunks)
 
     async def body(request: Request) -> Any:
-        return schemas.parse_json(await raw_body(request))
+        return schemas.parse_json(await raw_body(request, service.config.max_json_bytes))
 
     # ------------------------------------------------------------------ service
     @app.get(f"{API}/healthz")
@@ -117,7 +160,8 @@ def create_app(service: Service) -> FastAPI:
     @app.post(f"{API}/forward_backward")
     async def forward_backward(request: Request) -> dict[str, Any]:
         who = tenant(request)
-        return service.submit_forward_backward(who, await raw_body(request), request.headers.get("content-encoding"))
+        raw = await raw_body(request, service.config.max_body_bytes)
+        return service.submit_forward_backward(who, raw, request.headers.get("content-encoding"))
 
     @app.post(f"{API}/optim_step")
     async def optim_step(request: Request) -> dict[str, Any]:

@@ -13,11 +13,13 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 import secrets
 import shutil
 import time
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,15 +28,21 @@ from lorafleet.adapters.peft_io import export_peft
 from lorafleet.model.banks import AdapterSpec, BankError
 from lorafleet.model.loader import load_base
 from lorafleet.model.targets import TargetError, resolve_tinker_targets
-from lorafleet.sample import SampleRequest, SamplingParams, UnknownVersionError, VersionError
+from lorafleet.sample import (
+    SampleRequest,
+    SampleResult,
+    SamplingParams,
+    UnknownVersionError,
+    VersionError,
+)
 from lorafleet.sample.colocate import colocate
 from lorafleet.sample.verify import publish_verified
 from lorafleet.sample.versions import detect_kind
-from lorafleet.server import proto
+from lorafleet.server import faults, proto
 from lorafleet.server.errors import ApiError, NotFound, UserError
 from lorafleet.server.futures import Result
 from lorafleet.server.paths import TinkerPath, checkpoint_dir, dir_size, run_dir_name
-from lorafleet.server.scheduler import Op, Scheduler
+from lorafleet.server.scheduler import Op, PendingSample, Scheduler
 from lorafleet.server.store import CheckpointRow, ModelRow, SamplingSessionRow, Store
 from lorafleet.train.engine import PreparedItem, TrainItem
 from lorafleet.train.losses import merge_metrics
@@ -57,6 +65,7 @@ class EngineConfig:
     max_sample_rows: int = 32
     token_budget: int = 4096
     ephemeral_keep: int = 8  # files kept per model for save_weights_and_get_sampling_client; 0 = memory only
+    dist: Any = None  # lorafleet.dist.stack.DistConfig: sharded trainer ranks / Ray placement; None = one process
 
 
 @dataclass
@@ -127,6 +136,16 @@ def _user(exc: Exception, prefix: str = "") -> Result:
     return Result.error(UserError(f"{prefix}{exc}"))
 
 
+def _remove_tree(path: Path) -> None:
+    """Hides the directory with one rename, then deletes it: a crash mid-way never leaves a
+    half-deleted checkpoint in view (recovery.sweep removes the hidden remains)."""
+    if not path.exists():
+        return
+    hidden = path.with_name(f".{path.name}.deleted-{secrets.token_hex(6)}")
+    os.rename(path, hidden)
+    shutil.rmtree(hidden)
+
+
 def _metadata(value: dict[str, Any] | None) -> dict[str, str] | None:
     return None if value is None else {str(k): str(v) for k, v in value.items()}
 
@@ -156,16 +175,21 @@ class Executor:
         everything = self._targets[(True, True, True)]
         if isinstance(everything, TargetError):
             raise everything
-        self.stack = colocate(
-            base.model,
-            everything,
-            base_model_id=base.model_id,
-            tokenizer=base.tokenizer,
-            train_slots=config.max_adapters,
-            sample_slots=config.sampler_slots,
-            r_max=config.max_lora_rank,
-            max_rows=config.max_sample_rows,
-        )
+        if config.dist is not None:  # same engine interfaces, run by trainer ranks / sampler replicas
+            from lorafleet.dist.stack import build_dist_stack
+
+            self.stack: Any = build_dist_stack(config, base, everything)
+        else:
+            self.stack = colocate(
+                base.model,
+                everything,
+                base_model_id=base.model_id,
+                tokenizer=base.tokenizer,
+                train_slots=config.max_adapters,
+                sample_slots=config.sampler_slots,
+                r_max=config.max_lora_rank,
+                max_rows=config.max_sample_rows,
+            )
         self.trainer = self.stack.trainer
         self.trainer.token_budget = config.token_budget
         self.sampler = self.stack.sampler
@@ -297,6 +321,7 @@ class Executor:
         if self.store.get_checkpoint(str(path)) is not None and not args.overwrite:
             raise UserError(f"checkpoint {path} already exists; pass overwrite=True to replace it")
         dest = checkpoint_dir(self.data_dir, op.tenant, path)
+        faults.point("save_state.begin")
         try:
             self.trainer.save_state(
                 live.slot, dest, metadata={"tinker_path": str(path), "user_metadata": _metadata(args.user_metadata)},
@@ -304,6 +329,7 @@ class Executor:
             )
         except (CheckpointError, FileExistsError) as exc:
             raise UserError(f"save_state {path}: {exc}") from None
+        faults.point("save_state.end")
         self._forget_version((str(path), 0))  # an overwritten checkpoint must not serve stale weights
         self.store.put_checkpoint(self._checkpoint_row(op, path, dest, "training", args))
         return Result.json({"path": str(path), "type": "save_weights"})
@@ -325,10 +351,12 @@ class Executor:
         if self.store.get_checkpoint(str(path)) is not None:
             raise UserError(f"sampler checkpoint {path} already exists; choose another name")
         dest = checkpoint_dir(self.data_dir, op.tenant, path)
+        faults.point("save_sampler.begin")
         try:
             export_peft(self.trainer.bank, live.slot, dest, base_model_name_or_path=str(self.base_path))
         except (ValueError, FileExistsError) as exc:
             raise UserError(f"save_weights_for_sampler {path}: {exc}") from None
+        faults.point("save_sampler.end")
         self.store.put_checkpoint(self._checkpoint_row(op, path, dest, "sampler", args))
         self._forget_version((str(path), 0))
         publish_verified(self.sampler, self.trainer, live.slot, str(path), version=0, path=dest)
@@ -338,9 +366,11 @@ class Executor:
         version = self._ephemeral_counter.get(live.model_id, 0)
         self._ephemeral_counter[live.model_id] = version + 1
         dest: Path | None = None
+        faults.point("export.begin")
         if self.config.ephemeral_keep > 0:
             dest = self.ephemeral_root / run_dir_name(live.model_id) / str(version)
             export_peft(self.trainer.bank, live.slot, dest, base_model_name_or_path=str(self.base_path), overwrite=True)
+        faults.point("export.end")
         key, _ = publish_verified(self.sampler, self.trainer, live.slot, live.model_id + LIVE_SUFFIX, version=version, path=dest)
         kept = self._ephemeral.setdefault(live.model_id, deque())
         kept.append((key, dest))
@@ -348,7 +378,7 @@ class Executor:
             old_key, old_dest = kept.popleft()
             self._forget_version(old_key)
             if old_dest is not None:
-                shutil.rmtree(old_dest, ignore_errors=True)
+                _remove_tree(old_dest)
         return key
 
     def _forget_version(self, key: tuple[str, int]) -> None:
@@ -368,8 +398,7 @@ class Executor:
     def delete_checkpoint(self, checkpoint: CheckpointRow) -> None:
         self._forget_version((checkpoint.tinker_path, 0))
         self.store.delete_checkpoint(checkpoint.tinker_path)
-        if Path(checkpoint.dir).exists():
-            shutil.rmtree(checkpoint.dir)
+        _remove_tree(Path(checkpoint.dir))
 
     # ================================================================== forward / backward
     def run_train(self, ops: list[Op]) -> list[Result]:
@@ -392,6 +421,7 @@ class Executor:
 
     def _run_items(self, group: list[tuple[int, list[PreparedItem]]], backward: bool, results: list[Result | None]) -> None:
         flat = [item for _, items in group for item in items]
+        faults.point("forward_backward.begin")
         try:
             out = self.trainer.forward_backward(flat) if backward else self.trainer.forward(flat)
         except ValueError as exc:
@@ -401,6 +431,7 @@ class Executor:
             for single in group:  # find the request that fails; the others still run
                 self._run_items([single], backward, results)
             return
+        faults.point("forward_backward.end")
         start = 0
         for index, items in group:
             mine = out.items[start : start + len(items)]
@@ -420,7 +451,9 @@ class Executor:
                 continue
             by_slot[live.slot] = (i, op.payload)
         if by_slot:
+            faults.point("optim_step.begin")
             metrics = self.trainer.optim_step({slot: hp for slot, (_, hp) in by_slot.items()})
+            faults.point("optim_step.end")
             for slot, (i, _) in by_slot.items():
                 m = metrics[slot]
                 results[i] = Result.json({"metrics": {
@@ -457,6 +490,36 @@ class Executor:
         return key
 
     def run_sample(self, ops: list[Op]) -> list[Result]:
+        """Runs the ops' samples to completion in one call (samplers without a running batch)."""
+        results, batch = self._sample_requests(ops)
+        if batch:
+            outputs = self.sampler.generate([request for _, _, request in batch])
+            for (i, args, _), output in zip(batch, outputs, strict=True):
+                results[i] = self._sample_result(output, args)
+        return [r if r is not None else Result.error(UserError("request was not run")) for r in results]
+
+    def start_sample(self, ops: list[Op]) -> list[Result | PendingSample]:
+        """Queues the ops' samples into the sampler's running batch (continuous batching across
+        requests that arrive at different times); the scheduler then calls `step_sampler`. A
+        sampler without a running batch (remote replicas) runs them to completion here."""
+        submit = getattr(self.sampler, "submit", None)
+        if submit is None:
+            return list(self.run_sample(ops))
+        results, batch = self._sample_requests(ops)
+        items: list[Result | PendingSample] = [
+            r if r is not None else Result.error(UserError("request was not run")) for r in results
+        ]
+        if batch:
+            futures = submit([request for _, _, request in batch])
+            for (i, args, _), future in zip(batch, futures, strict=True):
+                items[i] = PendingSample(future, partial(self._sample_result, args=args))
+        return items
+
+    def step_sampler(self) -> bool:
+        """One step of the running sample batch; False when it had nothing to do."""
+        return bool(self.sampler.step())
+
+    def _sample_requests(self, ops: list[Op]) -> tuple[list[Result | None], list[tuple[int, SampleArgs, SampleRequest]]]:
         results: list[Result | None] = [None] * len(ops)
         batch: list[tuple[int, SampleArgs, SampleRequest]] = []
         for i, op in enumerate(ops):
@@ -476,21 +539,26 @@ class Executor:
                 topk_sample_logprobs=args.topk_sample,
             )
             batch.append((i, args, request))
-        if batch:
-            outputs = self.sampler.generate([request for _, _, request in batch])
-            for (i, args, _), output in zip(batch, outputs, strict=True):
-                if output.error is not None:
-                    results[i] = Result.error(UserError(f"sample: {output.error.message}"))
-                    continue
-                results[i] = Result.proto(
-                    proto.sample_response(
-                        output, prompt_logprobs=args.prompt_logprobs, topk_prompt=args.topk_prompt,
-                        topk_sample=args.topk_sample, last_n=args.last_n,
-                    )
-                )
-        return [r if r is not None else Result.error(UserError("request was not run")) for r in results]
+        return results, batch
+
+    @staticmethod
+    def _sample_result(output: SampleResult, args: SampleArgs) -> Result:
+        if output.error is not None:
+            return Result.error(UserError(f"sample: {output.error.message}"))
+        return Result.proto(
+            proto.sample_response(
+                output, prompt_logprobs=args.prompt_logprobs, topk_prompt=args.topk_prompt,
+                topk_sample=args.topk_sample, last_n=args.last_n,
+            )
+        )
 
     # ================================================================== introspection
+    def close(self) -> None:
+        """Stops what the engines started (trainer ranks, sampler replicas); no-op in one process."""
+        close = getattr(self.stack, "close", None)
+        if close is not None:
+            close()
+
     def stats(self) -> dict[str, Any]:
         return {
             "models_loaded": len(self.live),

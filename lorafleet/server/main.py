@@ -27,6 +27,19 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def warn_if_exposed(host: str) -> bool:
+    """Logs a warning (and returns True) when `host` is not a loopback address: the API then
+    speaks plain HTTP, API keys included, to whoever can reach the port."""
+    if is_loopback(host):
+        return False
+    log.warning(
+        "binding to %s, which is not a loopback address: the API is reachable from other machines, "
+        "in plain HTTP (API keys included); put TLS in front of it (a reverse proxy) or bind to 127.0.0.1",
+        host or "all interfaces",
+    )
+    return True
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
@@ -51,6 +64,7 @@ class ServerThread:
 
     def __init__(self, config: ServerConfig, *, log_level: str = "warning"):
         self.config = config
+        warn_if_exposed(config.host)
         self.service = Service(config)
         self.service.start()
         self._server = uvicorn.Server(_uvicorn_config(self.service, config, log_level))
@@ -76,11 +90,7 @@ class ServerThread:
 
 def serve(config: ServerConfig, *, log_level: str = "info") -> None:
     """Blocks until interrupted (SIGINT/SIGTERM, handled by uvicorn)."""
-    if not is_loopback(config.host):
-        log.warning(
-            "binding to %s, which is not a loopback address: the API is reachable from other machines, "
-            "in plain HTTP; put TLS in front of it", config.host,
-        )
+    warn_if_exposed(config.host)
     service = Service(config)
     service.start()
     # uvicorn shuts down gracefully on SIGINT/SIGTERM and then re-raises the signal to whatever

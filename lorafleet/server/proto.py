@@ -32,6 +32,11 @@ _NUMPY_DTYPES: dict[int, tuple[str, np.dtype]] = {
     pb.DTYPE_BFLOAT16: ("bfloat16", np.dtype("<u2")),
 }
 _MAX_ELEMENTS = 1 << 28  # a declared shape beyond this is an attack or a bug, not data
+# Sparse CSR is the one encoding whose decoded size is not bounded by the body: a few hundred
+# bytes of row pointers can declare a [16384, 16384] matrix. Densified sizes are capped per
+# tensor and per request, so one request cannot make the server allocate gigabytes.
+_MAX_SPARSE_ELEMENTS = 1 << 24
+_MAX_REQUEST_ELEMENTS = 1 << 26
 EMPTY_TOPK_LOGPROB = -99999.0  # what the SDK expects in unused top-k cells
 
 
@@ -76,7 +81,7 @@ def decode_call(msg: pb.ForwardBackwardRequest) -> ForwardBackwardCall:
         loss_fn=msg.loss_fn,
         loss_config=_loss_config(msg),
         forward_only=msg.forward_only,
-        data=[_datum(i, d) for i, d in enumerate(msg.data)],
+        data=_data(msg),
     )
 
 
@@ -94,6 +99,19 @@ def _loss_config(msg: pb.ForwardBackwardRequest) -> dict[str, float] | None:
     else:
         config.update(msg.loss_fn_config.items())
     return config or None
+
+
+def _data(msg: pb.ForwardBackwardRequest) -> list[WireDatum]:
+    data, total = [], 0
+    for i, d in enumerate(msg.data):
+        data.append(_datum(i, d))
+        total += sum(t.numel() for t in data[-1].loss_inputs.values())
+        if total > _MAX_REQUEST_ELEMENTS:
+            raise UserError(
+                f"data[0..{i}] already hold {total} loss-input values, more than this server's limit of "
+                f"{_MAX_REQUEST_ELEMENTS} per request; split the call"
+            )
+    return data
 
 
 def _datum(index: int, datum: pb.Datum) -> WireDatum:
@@ -145,6 +163,8 @@ def _sparse_csr(label: str, csr: pb.SparseCsr, dtype: np.dtype, name: str, shape
     if len(shape) != 2:
         raise UserError(f"{label} is sparse CSR, which needs a 2-D shape; got shape {shape}")
     rows, cols = shape
+    if rows * cols > _MAX_SPARSE_ELEMENTS:
+        raise UserError(f"{label} is sparse CSR of shape {shape}, more than {_MAX_SPARSE_ELEMENTS} values once dense")
     for field_name, raw, size in (("values", csr.values, dtype.itemsize), ("crow_indices", csr.crow_indices, 8), ("col_indices", csr.col_indices, 8)):
         if len(raw) % size:
             raise UserError(f"{label}.sparse_csr.{field_name} has {len(raw)} bytes, not a multiple of {size}")

@@ -9,7 +9,9 @@ model has run. Across models there is no order, which is what lets one round of 
    (consecutive chunks of the same model join the same batch);
 3. ONE optimizer call for every model whose head is now an optim_step (the fwd/bwd just run
    usually put it there);
-4. ONE generation batch for every pending sample.
+4. new samples join the sampler's running batch (continuous batching: requests that arrive
+   while others decode share their forwards), which then advances for a time slice, or until
+   other work is waiting, before the next round.
 
 Torch work happens only on the worker thread (two cores: one busy thread is the fastest way to
 run it) so the HTTP event loop stays responsive. The worker never raises out of a round: an
@@ -36,6 +38,10 @@ TRAIN_KINDS = frozenset({"forward", "forward_backward"})
 OPTIM_KIND = "optim_step"
 SAMPLE_KIND = "sample"
 CREATE_KINDS = frozenset({"create_model", "create_from_state"})
+MAX_SEQ_AHEAD = 10_000
+"""How far past a model's next seq_id a request may be queued. The SDK's chunks of one call are
+consecutive; a seq_id further ahead is a client bug or abuse, and would sit in memory until
+the gap timeout."""
 
 
 @dataclass(eq=False)
@@ -50,6 +56,20 @@ class Op:
     submitted: float = field(default_factory=time.monotonic)
 
 
+@dataclass(frozen=True)
+class PendingSample:
+    """A sample request running in the sampler's batch; `finish` turns its outcome into a Result."""
+
+    future: Future[Any]
+    convert: Callable[[Any], Result]
+
+    def finish(self) -> Result:
+        exc = self.future.exception()
+        if exc is not None:
+            return Result.error(ServerFault(f"internal error while sampling: {type(exc).__name__}: {exc}"))
+        return self.convert(self.future.result())
+
+
 class Executor(Protocol):
     """What the scheduler drives; each method returns one Result per op, in order."""
 
@@ -60,6 +80,10 @@ class Executor(Protocol):
     def run_optim(self, ops: list[Op]) -> list[Result]: ...
 
     def run_sample(self, ops: list[Op]) -> list[Result]: ...
+
+    def start_sample(self, ops: list[Op]) -> list[Result | PendingSample]: ...
+
+    def step_sampler(self) -> bool: ...
 
 
 @dataclass
@@ -92,11 +116,13 @@ class Scheduler:
         *,
         batch_window_s: float = 0.0,
         gap_timeout_s: float = 600.0,
+        sample_slice_s: float = 0.5,
     ):
         self.executor = executor
         self.futures = futures
         self.batch_window_s = batch_window_s
         self.gap_timeout_s = gap_timeout_s
+        self.sample_slice_s = sample_slice_s  # sampling time per round while other work waits
         self.stats = Stats()
         self._cond = threading.Condition()
         self._next_seq: dict[str, int] = {}
@@ -104,6 +130,7 @@ class Scheduler:
         self._queues: dict[str, dict[int, Op]] = {}
         self._unordered: list[Op] = []
         self._calls: list[tuple[Callable[[], Any], Future[Any]]] = []
+        self._sampling: list[tuple[Op, PendingSample]] = []  # worker thread only
         self._paused = False
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -159,6 +186,11 @@ class Scheduler:
                     error = UserError(self._gone[op.model_id])
                 elif expected is not None and op.seq_id < expected:
                     error = UserError(f"seq_id {op.seq_id} of model {op.model_id!r} was already executed (next is {expected})")
+                elif expected is not None and op.seq_id > expected + MAX_SEQ_AHEAD:
+                    error = UserError(
+                        f"seq_id {op.seq_id} of model {op.model_id!r} is more than {MAX_SEQ_AHEAD} ahead of the next one "
+                        f"to run ({expected}); seq_ids must be consecutive"
+                    )
                 else:
                     self._queues.setdefault(op.model_id, {})[op.seq_id] = op
             self._cond.notify_all()
@@ -182,6 +214,10 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the worker
     def _ready(self) -> bool:
+        return bool(self._sampling) or self._other_work_ready()
+
+    def _other_work_ready(self) -> bool:
+        """Work besides the running sample batch (caller holds the lock)."""
         if self._calls or self._unordered:
             return True
         return any(self._next_seq.get(m) in q for m, q in self._queues.items() if q)
@@ -223,7 +259,55 @@ class Scheduler:
             samples = [op for op in self._unordered if op.kind == SAMPLE_KIND]
             self._unordered = [op for op in self._unordered if op.kind != SAMPLE_KIND]
         if samples:
-            self._run_group("sample", samples, self.executor.run_sample)
+            if hasattr(self.executor, "start_sample"):
+                self._start_samples(samples)
+            else:  # an executor without a running batch: one blocking generation
+                self._run_group("sample", samples, self.executor.run_sample)
+        if self._sampling:
+            self._step_sampler()
+
+    def _start_samples(self, ops: list[Op]) -> None:
+        try:
+            started = self.executor.start_sample(ops)
+            if len(started) != len(ops):
+                raise RuntimeError(f"sample: executor returned {len(started)} results for {len(ops)} ops")
+        except Exception as exc:
+            log.exception("engine failure while queueing %d sample request(s)", len(ops))
+            started = [Result.error(ServerFault(f"internal error while queueing samples: {type(exc).__name__}: {exc}"))] * len(ops)
+        self._count_batch("sample", [op for op, _ in self._sampling] + ops)
+        for op, item in zip(ops, started, strict=True):
+            if isinstance(item, PendingSample):
+                self._sampling.append((op, item))
+            else:
+                self._finish(op, item)
+
+    def _step_sampler(self) -> None:
+        """Advances the running sample batch for up to `sample_slice_s` while other work waits
+        (as long as it likes when nothing else does), finishing requests as they complete.
+        New sample requests end the slice at once, so that they join the batch quickly."""
+        deadline = time.monotonic() + self.sample_slice_s
+        while self._sampling:
+            try:
+                progressed = self.executor.step_sampler()
+            except Exception:
+                log.exception("engine failure in a sampling step (%d request(s) running)", len(self._sampling))
+                progressed = True  # the engine failed the running requests' futures
+            still: list[tuple[Op, PendingSample]] = []
+            for op, pending in self._sampling:
+                if pending.future.done():
+                    self._finish(op, pending.finish())
+                else:
+                    still.append((op, pending))
+            self._sampling = still
+            if not progressed and still:
+                for op, _ in still:
+                    self._finish(op, Result.error(ServerFault("the sampler dropped this request without a result")))
+                self._sampling = []
+            with self._cond:
+                new_samples = any(op.kind == SAMPLE_KIND for op in self._unordered)
+                other = self._other_work_ready()
+            if new_samples or self._stopping or (other and time.monotonic() >= deadline):
+                return
 
     def _take_control(self) -> list[Op]:
         with self._cond:
@@ -256,17 +340,20 @@ class Scheduler:
             log.exception("engine failure in %s batch of %d request(s)", name, len(ops))
             results = [Result.error(ServerFault(f"internal error while running {name}: {type(exc).__name__}: {exc}"))] * len(ops)
         if name != "control":
-            clients = {op.scope or op.model_id or op.request_id for op in ops}
-            self.stats.batches[name] += 1
-            self.stats.max_batch_clients[name] = max(self.stats.max_batch_clients[name], len(clients))
-            if len(clients) > 1:
-                self.stats.mixed_batches[name] += 1
-            if len({op.tenant for op in ops}) > 1:
-                self.stats.cross_tenant_batches[name] += 1
+            self._count_batch(name, ops)
         for op, result in zip(ops, results, strict=True):
             if op.kind in CREATE_KINDS and not result.failed and op.model_id is not None:
                 self.register_model(op.model_id)
             self._finish(op, result)
+
+    def _count_batch(self, name: str, ops: list[Op]) -> None:
+        clients = {op.scope or op.model_id or op.request_id for op in ops}
+        self.stats.batches[name] += 1
+        self.stats.max_batch_clients[name] = max(self.stats.max_batch_clients[name], len(clients))
+        if len(clients) > 1:
+            self.stats.mixed_batches[name] += 1
+        if len({op.tenant for op in ops}) > 1:
+            self.stats.cross_tenant_batches[name] += 1
 
     def _finish(self, op: Op, result: Result) -> None:
         self.stats.requests[op.kind] += 1

@@ -1,10 +1,15 @@
 """JSON request bodies the SDK sends, as lenient pydantic models (unknown keys ignored: newer SDKs
-add fields), and one parse function whose errors name the field and the offending value."""
+add fields), and one parse function whose errors name the field and the offending value.
+
+Integers that reach SQLite (seq ids, offsets) are bounded to int64 here, and a TTL to what a
+timestamp can hold, so a hostile value is a 400 naming the field rather than an overflow deep
+in the store.
+"""
 
 from __future__ import annotations
 
 import json
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from pydantic import (
     AliasChoices,
@@ -20,6 +25,13 @@ from lorafleet.server.errors import UserError
 
 M = TypeVar("M", bound=BaseModel)
 
+INT64_MAX = 2**63 - 1
+MAX_TTL_SECONDS = 10**10  # ~300 years: past that a timestamp stops being representable
+SeqId = Annotated[StrictInt, Field(ge=1, le=INT64_MAX)]
+Counter = Annotated[StrictInt, Field(ge=0, le=INT64_MAX)]
+Int64 = Annotated[StrictInt, Field(ge=-INT64_MAX - 1, le=INT64_MAX)]
+Ttl = Annotated[StrictInt, Field(le=MAX_TTL_SECONDS)]
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
@@ -28,8 +40,17 @@ class _Body(BaseModel):
 def parse_json(raw: bytes) -> Any:
     try:
         return json.loads(raw) if raw else {}
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UserError(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise UserError("request body is not acceptable JSON: nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, integers of > 4300 digits
+        raise UserError(f"request body is not valid JSON: {str(exc)[:200]}") from None
+
+
+def _show(value: Any) -> str:
+    try:
+        return json.dumps(value, default=str)[:80]
+    except (RecursionError, ValueError):
+        return type(value).__name__
 
 
 def parse(model: type[M], data: Any) -> M:
@@ -40,7 +61,7 @@ def parse(model: type[M], data: Any) -> M:
         for err in exc.errors()[:5]:
             where = ".".join(str(p) for p in err["loc"]) or "body"
             value = err.get("input")
-            shown = "" if err["type"] == "missing" else f" (got {json.dumps(value, default=str)[:80]})"
+            shown = "" if err["type"] == "missing" else f" (got {_show(value)})"
             problems.append(f"{where}: {err['msg']}{shown}")
         raise UserError(f"invalid {model.__name__} request: " + "; ".join(problems)) from None
 
@@ -64,7 +85,7 @@ class FinishSession(_Body):
 
 class LoraConfig(_Body):
     rank: StrictInt = 32
-    seed: StrictInt | None = None
+    seed: Int64 | None = None
     train_unembed: StrictBool = True
     train_mlp: StrictBool = True
     train_attn: StrictBool = True
@@ -72,7 +93,7 @@ class LoraConfig(_Body):
 
 class CreateModel(_Body):
     session_id: str
-    model_seq_id: StrictInt = Field(ge=0)
+    model_seq_id: Counter
     base_model: str
     lora_config: LoraConfig = Field(default_factory=LoraConfig)
     user_metadata: dict[str, Any] | None = None
@@ -85,26 +106,26 @@ class ModelRef(_Body):
 
 class OptimStep(_Body):
     model_id: str
-    seq_id: StrictInt = Field(ge=1)
+    seq_id: SeqId
     optim_params: dict[str, Any] = Field(validation_alias=AliasChoices("optim_params", "adam_params", "optimizer_params"))
 
 
 class SaveWeights(_Body):
     model_id: str
-    seq_id: StrictInt = Field(ge=1)
+    seq_id: SeqId
     path: str
     overwrite: StrictBool = False
-    ttl_seconds: StrictInt | None = None
+    ttl_seconds: Ttl | None = None
     user_metadata: dict[str, Any] | None = None
 
 
 class SaveWeightsForSampler(_Body):
     model_id: str
-    seq_id: StrictInt = Field(ge=1)
+    seq_id: SeqId
     path: str | None = None
-    sampling_session_seq_id: StrictInt | None = Field(default=None, ge=0)
+    sampling_session_seq_id: Counter | None = None
     kind: str = "snapshot"
-    ttl_seconds: StrictInt | None = None
+    ttl_seconds: Ttl | None = None
     user_metadata: dict[str, Any] | None = None
 
 
@@ -112,9 +133,9 @@ class LoadWeights(_Body):
     path: str
     optimizer: StrictBool = False
     model_id: str | None = None
-    seq_id: StrictInt | None = Field(default=None, ge=1)
+    seq_id: SeqId | None = None
     session_id: str | None = None
-    model_seq_id: StrictInt | None = Field(default=None, ge=0)
+    model_seq_id: Counter | None = None
     base_model: str | None = None
     user_metadata: dict[str, Any] | None = None
     optimizer_config: dict[str, Any] | None = None
@@ -123,7 +144,7 @@ class LoadWeights(_Body):
 
 class CreateSamplingSession(_Body):
     session_id: str
-    sampling_session_seq_id: StrictInt = Field(ge=0)
+    sampling_session_seq_id: Counter
     base_model: str | None = None
     model_path: str | None = None
 
@@ -151,7 +172,7 @@ class Sample(_Body):
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
     num_samples: StrictInt = 1
     sampling_session_id: str | None = None
-    seq_id: StrictInt | None = None
+    seq_id: Int64 | None = None
     base_model: str | None = None
     model_path: str | None = None
     prompt_logprobs: StrictBool | None = None
@@ -173,4 +194,4 @@ class WeightsInfo(_Body):
 
 
 class SetTtl(_Body):
-    ttl_seconds: StrictInt | None = None
+    ttl_seconds: Ttl | None = None

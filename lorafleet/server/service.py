@@ -13,6 +13,7 @@ scheduler as `Op`s whose payloads are already parsed. Two rules shape every subm
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 import os
@@ -27,7 +28,7 @@ from typing import Any
 
 from lorafleet.fsio import ensure_private_dir
 from lorafleet.sample import SamplingParams
-from lorafleet.server import proto, schemas
+from lorafleet.server import proto, recovery, schemas
 from lorafleet.server.auth import KeyRing, Tenant
 from lorafleet.server.errors import ApiError, Conflict, NotFound, UserError
 from lorafleet.server.executor import (
@@ -67,7 +68,10 @@ class ServerConfig:
     future_ttl_s: float = 24 * 3600.0
     session_timeout_s: float = 900.0  # no heartbeat for this long: the session's models are unloaded
     maintenance_interval_s: float = 60.0
-    max_body_bytes: int = 256 << 20  # the SDK splits forward_backward calls into <= 5 MB chunks
+    max_body_bytes: int = 64 << 20  # protobuf forward_backward bodies; the SDK sends <= 5 MB chunks
+    max_json_bytes: int = 8 << 20  # every JSON body (prompts, saves, polls)
+    body_timeout_s: float = 120.0  # a body that trickles in slower than this is refused (408)
+    max_num_samples: int = 1024  # per asample request
     torch_threads: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -75,6 +79,25 @@ class ServerConfig:
 def _fingerprint(data: bytes | Any) -> str:
     raw = data if isinstance(data, bytes) else json.dumps(data, sort_keys=True, default=str).encode()
     return hashlib.sha256(raw).hexdigest()
+
+
+def _unzstd(raw: bytes, limit: int) -> bytes:
+    """Decompresses at most `limit` bytes: a frame's declared size is not trusted (zstandard's
+    one-shot `decompress` allocates whatever the header claims, a few KB can ask for GBs)."""
+    import zstandard
+
+    out = bytearray()
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(raw), read_across_frames=True) as reader:
+            while chunk := reader.read(min(1 << 20, limit + 1 - len(out))):
+                out += chunk
+                if len(out) > limit:
+                    raise UserError(f"the zstd request body decompresses to more than this server's limit of {limit} bytes", status=413)
+    except zstandard.ZstdError as exc:
+        raise UserError(f"request body is not valid zstd: {exc}") from None
+    if not out and raw:
+        raise UserError("request body is not valid zstd: no complete frame")
+    return bytes(out)
 
 
 def _iso(ts: float | None) -> str | None:
@@ -136,12 +159,14 @@ class Service:
         self._last_maintenance = time.monotonic()
 
     def _recover(self) -> dict[str, int]:
-        """A previous process's pending futures can never finish, and its in-memory models are gone."""
+        """A previous process's pending futures can never finish, its in-memory models are gone,
+        and a crash may have left half-written or half-deleted files (recovery.sweep)."""
         body = json.dumps({"error": RESTART_MESSAGE, "category": "server"}).encode()
         failed = self.store.fail_unfinished_futures(JSON, body)
         lost = self.store.mark_active_models("lost")
         pruned = self.store.prune_futures(time.time() - self.config.future_ttl_s)
-        return {"failed_futures": failed, "lost_models": lost, "pruned_futures": pruned}
+        files = recovery.sweep(self.data_dir, self.store)
+        return {"failed_futures": failed, "lost_models": lost, "pruned_futures": pruned, **files}
 
     def maintain(self) -> None:
         """Drops old future results and unloads the models of clients that stopped heartbeating
@@ -181,6 +206,7 @@ class Service:
     def close(self) -> None:
         self.futures.close()
         self.scheduler.stop()
+        self.executor.close()
         self.store.close()
 
     # ================================================================== basics
@@ -217,7 +243,7 @@ class Service:
             try:
                 if Path(name).expanduser().resolve() == self.executor.base_path.resolve():
                     return name
-            except (OSError, RuntimeError):
+            except (OSError, RuntimeError, ValueError):  # ValueError: a NUL byte in the name
                 pass
         raise UserError(f"{field} {name!r} is not served here; this server serves {' or '.join(map(repr, self.model_names))}")
 
@@ -369,12 +395,7 @@ class Service:
         if content_encoding and content_encoding.lower() not in ("identity",):
             if content_encoding.lower() != "zstd":
                 raise UserError(f"Content-Encoding {content_encoding!r} is not supported (only zstd)")
-            import zstandard
-
-            try:
-                raw = zstandard.ZstdDecompressor().decompress(raw, max_output_size=self.config.max_body_bytes)
-            except zstandard.ZstdError as exc:
-                raise UserError(f"request body is not valid zstd: {exc}") from None
+            raw = _unzstd(raw, self.config.max_body_bytes)
         msg = proto.parse_forward_backward(raw)
         kind = "forward" if msg.forward_only else "forward_backward"
         return self._submit_for_model(tenant, msg.model_id, msg.seq_id, kind, lambda: proto.decode_call(msg), _fingerprint(raw))
@@ -402,7 +423,12 @@ class Service:
             name = None if req.path is None else checkpoint_name(req.path)
             return SaveSamplerArgs(name, req.sampling_session_seq_id, _expires(req.ttl_seconds), req.user_metadata)
 
-        return self._submit_for_model(tenant, req.model_id, req.seq_id, "save_sampler", build, _fingerprint(body))
+        # The SDK draws a new sampling_session_seq_id on every attempt of the same request
+        # (save_weights_and_get_sampling_client), so it is left out of the retry fingerprint: a
+        # retry whose first attempt reached us gets that attempt's future (whose result names
+        # the sampling session actually created), not a "different request" conflict.
+        same_request = {k: v for k, v in body.items() if k != "sampling_session_seq_id"}
+        return self._submit_for_model(tenant, req.model_id, req.seq_id, "save_sampler", build, _fingerprint(same_request))
 
     def submit_load_weights(self, tenant: Tenant, body: Any) -> dict[str, Any]:
         req = schemas.parse(schemas.LoadWeights, body)
@@ -469,8 +495,8 @@ class Service:
 
     def submit_sample(self, tenant: Tenant, body: Any) -> dict[str, Any]:
         req = schemas.parse(schemas.Sample, body)
-        if req.num_samples < 1:
-            raise UserError(f"num_samples must be >= 1, got {req.num_samples}")
+        if not 1 <= req.num_samples <= self.config.max_num_samples:
+            raise UserError(f"num_samples must be between 1 and {self.config.max_num_samples}, got {req.num_samples}")
         scope: str | None = None
         adapter: tuple[str, int] | None = None
         checkpoint_path: str | None = None
@@ -566,7 +592,7 @@ class Service:
 
     @staticmethod
     def _page(limit: int, offset: int) -> tuple[int, int]:
-        if not 1 <= limit <= 1000 or offset < 0:
+        if not 1 <= limit <= 1000 or not 0 <= offset <= schemas.INT64_MAX:
             raise UserError(f"limit must be in [1, 1000] and offset >= 0, got limit={limit}, offset={offset}")
         return limit, offset
 

@@ -352,6 +352,9 @@ class Store:
         total = self._one(f"SELECT COUNT(*) AS n FROM checkpoints WHERE {where}", tuple(args))
         return [self._checkpoint(r) for r in rows], int(total["n"]) if total else 0
 
+    def all_checkpoint_dirs(self) -> list[str]:
+        return [r["dir"] for r in self._all("SELECT dir FROM checkpoints", ())]
+
     def last_checkpoint(self, model_id: str, kind: str) -> CheckpointRow | None:
         row = self._one(
             "SELECT * FROM checkpoints WHERE model_id=? AND kind=? ORDER BY created_at DESC LIMIT 1",
