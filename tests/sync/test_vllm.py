@@ -145,9 +145,9 @@ def test_merged_sync_every_version_matches_the_trainer(server, smol, tmp_path):
     vllm.close()
 
 
-def _renamed_peft(staging, update):
+def _renamed_peft(staging, update, **options):
     """A PEFT dir whose module names vLLM does not know (it loads it and ignores them)."""
-    path = stage_peft(staging, update)
+    path = stage_peft(staging, update, **options)
     weights = Path(path) / "adapter_model.safetensors"
     tensors = load_file(weights)
     save_file(
