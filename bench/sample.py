@@ -21,6 +21,10 @@ we use torch threads (`--vllm-omp-bind match`, pinned to the first of our allowe
 keeps vLLM's default, which on this 2-core machine computes on one core and reserves the other
 for its scheduler. `--no-vllm` skips the side (its ratio is then null, and the table says so).
 
+Ratios come from each side's minimum, and also as the median of same-round pairs (the JSON
+keeps every run). On a busy shared 2-core machine use `--threads 1`: with 2 threads every side
+stalls at its OpenMP barriers whenever a neighbour holds a core (runs then vary 10x).
+
     HF_HUB_OFFLINE=1 .venv/bin/python -m bench.sample --json bench/results/sample.json
 """
 
