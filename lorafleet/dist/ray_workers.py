@@ -42,14 +42,18 @@ from lorafleet.dist.protocol import LOCAL_COMMANDS, RankSettings, Reply, command
 from lorafleet.fsio import PathLike
 from lorafleet.model.banks import AdapterSpec
 from lorafleet.sample.types import SampleRequest, SampleResult, SamplingParams, VersionKey
-from lorafleet.sample.verify import TOLERANCES, SyncVerificationError, canary_tokens
+from lorafleet.sample.verify import (
+    TOLERANCES,
+    SyncVerificationError,
+    canary_tokens,
+    trainer_canary_logprobs,
+)
 from lorafleet.sample.versions import (
     UnknownVersionError,
     VersionError,
     VersionUnavailableError,
     detect_kind,
 )
-from lorafleet.train.engine import TrainItem
 
 log = logging.getLogger(__name__)
 
@@ -566,7 +570,7 @@ class RaySamplerPool:
         """Every replica's canary log-probs must match the trainer's for this slot."""
         ray = _ray()
         tokens = canary_tokens(self.limits.vocab_size)
-        expected = _trainer_logprobs(self.trainer, trainer_slot, tokens)
+        expected = trainer_canary_logprobs(self.trainer, trainer_slot, tokens)
         tolerance = TOLERANCES.get(self.dtype, 0.02)
         with self._lock:
             targets = [(r, r.incarnation, r.handle) for r in self._replicas if r.state == "ready"]
@@ -781,18 +785,3 @@ class RaySamplerPool:
         for replica in self._replicas:
             with contextlib.suppress(Exception):  # noqa: BLE001 - best effort: the replica may be gone
                 ray.kill(replica.handle, no_restart=True)
-
-
-def _trainer_logprobs(trainer: Any, slot: int, tokens: list[int]) -> torch.Tensor:
-    """The trainer's log-probs of the canary (the shape `verify.canary_check` uses)."""
-    seq = torch.tensor(tokens, dtype=torch.int64)
-    targets = torch.cat([seq[1:], seq[:1]])
-    weights = torch.ones(seq.numel())
-    weights[-1] = 0.0
-    item = TrainItem(
-        slot=slot,
-        tokens=seq,
-        loss_fn="cross_entropy",
-        loss_inputs={"target_tokens": targets, "weights": weights},
-    )
-    return trainer.forward([item]).items[0].logprobs.float()[:-1]

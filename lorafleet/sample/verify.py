@@ -65,7 +65,7 @@ def adapter_is_zero(trainer: TrainEngine, slot: int) -> bool:
     return True
 
 
-def _trainer_logprobs(trainer: TrainEngine, slot: int, tokens: list[int]) -> torch.Tensor:
+def trainer_canary_logprobs(trainer: TrainEngine, slot: int, tokens: Sequence[int]) -> torch.Tensor:
     """log p(tokens[i + 1] | tokens[: i + 1]) from a forward over all of `tokens`: the same input
     shape as the sampler's prefill (the last position gets a dummy, zero-weight target)."""
     seq = torch.tensor(tokens, dtype=torch.int64)
@@ -73,7 +73,7 @@ def _trainer_logprobs(trainer: TrainEngine, slot: int, tokens: list[int]) -> tor
     weights = torch.ones(seq.numel())
     weights[-1] = 0.0
     item = TrainItem(slot=slot, tokens=seq, loss_fn="cross_entropy", loss_inputs={"target_tokens": targets, "weights": weights})
-    return trainer.forward([item]).items[0].logprobs.float()[:-1]
+    return trainer.forward([item]).items[0].logprobs.float()[:-1].cpu()
 
 
 def _sampler_logprobs(sampler: SampleEngine, key: VersionKey | None, tokens: list[int]) -> torch.Tensor:
@@ -107,7 +107,7 @@ def canary_check(
             raise ValueError(f"no canary tolerance for dtype {sampler.dtype}; pass tolerance=") from None
     ours = _sampler_logprobs(sampler, key, canary)
     base = _sampler_logprobs(sampler, None, canary)
-    theirs = _trainer_logprobs(trainer, trainer_slot, canary)
+    theirs = trainer_canary_logprobs(trainer, trainer_slot, canary)
     diff = float((ours - theirs).abs().max())
     if not diff <= tolerance:  # also catches NaN
         raise SyncVerificationError(

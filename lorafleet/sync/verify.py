@@ -35,7 +35,7 @@ from typing import Literal
 
 import torch
 
-from lorafleet.sample.verify import SyncVerificationError, canary_tokens
+from lorafleet.sample.verify import SyncVerificationError, canary_tokens, trainer_canary_logprobs
 from lorafleet.sync.base import (
     BASE,
     AdapterVersion,
@@ -45,7 +45,7 @@ from lorafleet.sync.base import (
     RolloutRequest,
     Target,
 )
-from lorafleet.train.engine import TrainEngine, TrainItem
+from lorafleet.train.engine import TrainEngine
 
 __all__ = [
     "CROSS_ENGINE_TOLERANCES",
@@ -99,16 +99,7 @@ def trainer_logprobs(trainer: TrainEngine, slot: int | None, tokens: Sequence[in
             logits = trainer.adapted.model(input_ids=ids).logits
         logprobs = torch.log_softmax(logits.float(), dim=-1)[0, :-1]
         return logprobs.gather(-1, seq[1:].to(device).unsqueeze(-1)).squeeze(-1).cpu()
-    targets = torch.cat([seq[1:], seq[:1]])
-    weights = torch.ones(seq.numel())
-    weights[-1] = 0.0
-    item = TrainItem(
-        slot=slot,
-        tokens=seq,
-        loss_fn="cross_entropy",
-        loss_inputs={"target_tokens": targets, "weights": weights},
-    )
-    return trainer.forward([item]).items[0].logprobs.float()[:-1].cpu()
+    return trainer_canary_logprobs(trainer, slot, list(tokens))
 
 
 def engine_logprobs(
