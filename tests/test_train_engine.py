@@ -71,9 +71,12 @@ def test_mixed_step_over_four_adapters_equals_training_each_alone():
             solo.optim_step({slot: hp})
         ours, theirs = mixed.bank.slot_weights(slots[i]), solo.bank.slot_weights(slot)
         moved = 0.0
+        # Alone, every slot has the same token count (batched matmul); mixed, counts differ
+        # (grouped matmul): fp32 last bits differ, and Adam's normalised step turns a last-bit
+        # difference of a near-zero gradient into about 0.1% of one step (lr 5e-3 to 2e-2 here).
         for path, (A, B) in ours.items():
-            torch.testing.assert_close(A, theirs[path][0], atol=2e-6, rtol=1e-5)
-            torch.testing.assert_close(B, theirs[path][1], atol=2e-6, rtol=1e-5)
+            torch.testing.assert_close(A, theirs[path][0], atol=2e-5, rtol=1e-5)
+            torch.testing.assert_close(B, theirs[path][1], atol=2e-5, rtol=1e-5)
             moved += float(B.abs().sum())
         assert moved > 0, f"adapter {i} did not train"
         assert mixed.optimizer.slot_step(slots[i]) == 3

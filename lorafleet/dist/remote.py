@@ -60,7 +60,7 @@ class RemoteBank:
     """Mirror of the ranks' training bank: slots, specs and scales here; tensors on request.
 
     Duck-types the parts of `BankSet` that exporters and sampler publishing use (check_slot,
-    slot_weights, params[slot], scales, layers, row_size); the slot-table methods are
+    slot_weights, params[slot], scales, layers, row_size, layout); the slot-table methods are
     BankSet's own, so validation messages are identical.
     """
 
@@ -76,6 +76,7 @@ class RemoteBank:
         self.num_slots = int(info["num_slots"])
         self.r_max = int(info["r_max"])
         self.row_size = int(info["row_size"])
+        self._layout = [(path, tuple(a), tuple(b)) for path, a, b in info["layout"]]
         self.layers: dict[str, LayerShape] = {
             path: LayerShape(i, o, e) for path, i, o, e in info["layers"]
         }
@@ -84,6 +85,10 @@ class RemoteBank:
         self.params = _RowFetcher(self)
         self._cache: dict[tuple[str, int], tuple[int, Any]] = {}
         self._cache_lock = threading.Lock()
+
+    def layout(self) -> list[tuple[str, tuple[int, int], tuple[int, int]]]:
+        """The ranks' row layout (BankSet.layout), so a row copy can check it matches."""
+        return list(self._layout)
 
     # --------------------------------------------------------------- mirror updates
     def _set(self, slot: int, spec: AdapterSpec) -> None:

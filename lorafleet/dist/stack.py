@@ -108,7 +108,7 @@ def _torchrun_stack(
     bank = adapted.add_bank(
         "sample", num_slots=engine.sampler_slots + 1, r_max=engine.max_lora_rank, trainable=False
     )
-    if list(bank.layers) != list(trainer.bank.layers) or bank.row_size != trainer.bank.row_size:
+    if bank.layout() != trainer.bank.layout():
         trainer.close()
         raise RuntimeError("the sampler bank and the trainer ranks' bank have different layouts")
     versions = VersionStore(bank, base_model_id=base.model_id)

@@ -86,6 +86,7 @@ class RankWorker:
             "num_slots": bank.num_slots,
             "r_max": bank.r_max,
             "row_size": bank.row_size,
+            "layout": bank.layout(),
             "layers": [
                 (path, layer.in_features, layer.out_features, layer_experts(layer))
                 for path, layer in bank.layers.items()

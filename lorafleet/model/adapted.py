@@ -10,7 +10,7 @@ choosing a bank set and a slot per token:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -24,9 +24,21 @@ from lorafleet.model.targets import TargetError, linear_layers
 
 
 class AdaptedModel:
-    """Base model + wrapped layers + named bank sets. Knows nothing of tenants or HTTP."""
+    """Base model + wrapped layers + named bank sets. Knows nothing of tenants or HTTP.
 
-    def __init__(self, model: nn.Module, layer_paths: Sequence[str], *, kernel: KernelName = "auto"):
+    `share_inputs` probes once which wrapped linears are fed the same tensor (q/k/v, gate/up
+    in the usual decoder) so banks lay them out to share one A-projection (banks.InputGroup);
+    off, every layer projects on its own (same values).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layer_paths: Sequence[str],
+        *,
+        kernel: KernelName = "auto",
+        share_inputs: bool = True,
+    ):
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
         if not layer_paths:
@@ -62,6 +74,7 @@ class AdaptedModel:
         self.layers = dict(sorted(self.layers.items()))
         for param in model.parameters():
             param.requires_grad_(False)
+        self.input_groups = probe_input_groups(model, self.layers, self.scope) if share_inputs else []
 
     def _wrap_experts(
         self, model: nn.Module, module_path: str, targets: dict[str, list[str]], kernel: KernelName
@@ -114,6 +127,7 @@ class AdaptedModel:
             num_slots=num_slots,
             r_max=r_max,
             trainable=trainable,
+            input_groups=self.input_groups,
         )
         self.banks[name] = bank
         return bank
@@ -144,3 +158,41 @@ class AdaptedModel:
         routing = self.make_routing(bank, slot_ids)
         with self.scope.use(routing):
             yield routing
+
+
+@torch.no_grad()
+def probe_input_groups(
+    model: nn.Module, layers: Mapping[str, nn.Module], scope: RoutingScope
+) -> list[list[str]]:
+    """Which wrapped linears receive the very same input tensor, found by one 2-token base
+    forward (read from the model's real data flow, not from module names). Skipped (no groups)
+    for a model whose weights are not materialised (meta device)."""
+    linears = {path: layer for path, layer in layers.items() if isinstance(layer, LoRALinear)}
+    parameter = next(model.parameters(), None)
+    if not linears or parameter is None or parameter.device.type == "meta":
+        return []
+    seen: list[tuple[torch.Tensor, list[str]]] = []
+
+    def record(path: str):
+        def hook(module: nn.Module, args: tuple) -> None:
+            for tensor, paths in seen:
+                if tensor is args[0]:
+                    paths.append(path)
+                    return
+            seen.append((args[0], [path]))
+
+        return hook
+
+    handles = [layer.register_forward_pre_hook(record(path)) for path, layer in linears.items()]
+    base_only = build_routing(
+        torch.zeros(1, 2, dtype=torch.int64, device=parameter.device),
+        torch.zeros(1, device=parameter.device),
+        bank="",  # no layer carries a bank of this name: a pure base forward
+    )
+    try:
+        with scope.use(base_only):
+            model(input_ids=torch.zeros(1, 2, dtype=torch.int64, device=parameter.device), use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [paths for _, paths in seen if len(paths) > 1]

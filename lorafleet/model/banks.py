@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import threading
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -33,8 +34,8 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from lorafleet.model.kernels import KernelName, apply_lora
-from lorafleet.model.routing import BASE_SLOT, RoutingScope
+from lorafleet.model.kernels import KernelName, add_deltas, lora_hidden, lora_output
+from lorafleet.model.routing import BASE_SLOT, Routing, RoutingScope
 
 # Bank parameters are row-slices of the flat [slots, P] buffer, so their gradients (views of
 # the flat gradient buffer) are strided by design. Autograd accumulates into them in place, which
@@ -96,6 +97,39 @@ def layer_experts(layer: object) -> int:
     return int(getattr(layer, "num_experts", 1))
 
 
+class InputGroup:
+    """Layers of one bank set that are fed the same input tensor (q/k/v, gate/up).
+
+    Their A's sit side by side in every slot's row, so `A` views them as one stacked
+    [slots, members * r_store, in] matrix and a single grouped matmul projects the input for
+    every member. The first member to run in a forward computes it; the others take their
+    columns, as long as they really got the same tensor under the same routing (checked by
+    identity, so a model that feeds them different inputs just computes each on its own).
+    Small decode batches are dominated by per-call overhead, so this saves about a third of
+    the LoRA matmul calls of a transformer layer.
+    """
+
+    def __init__(self, members: Sequence[str], A: nn.Parameter, r_store: int):
+        self.members = tuple(members)
+        self.A = A
+        self.r_store = r_store
+        self._local = threading.local()  # a trainer and a sampler thread may run at once
+
+    def hidden(self, member: int, x_key: torch.Tensor, x: torch.Tensor, routing: Routing, kernel: KernelName) -> torch.Tensor | None:
+        """Member `member`'s columns of the shared A-projection of `x` (see kernels.lora_hidden)."""
+        entry = getattr(self._local, "entry", None)
+        if entry is None or entry[0] is not x_key or entry[1] is not routing or member in entry[3]:
+            entry = (x_key, routing, lora_hidden(x, self.A, routing, kernel), set())
+            self._local.entry = entry
+        _, _, hidden, served = entry
+        served.add(member)
+        if len(served) == len(self.members):
+            self._local.entry = None  # every member served: release the input and the graph
+        if hidden is None:
+            return None
+        return hidden[:, member * self.r_store : (member + 1) * self.r_store]
+
+
 @dataclass
 class LayerBank:
     """One bank set's A/B views for one wrapped layer."""
@@ -104,6 +138,8 @@ class LayerBank:
     B: nn.Parameter  # [slots, out, r_max], or [slots, E, out / E, r_max]
     a_span: tuple[int, int]  # column span of A in the flat row
     b_span: tuple[int, int]
+    group: InputGroup | None = None  # set when this layer shares its input with siblings
+    member: int = 0  # its index in the group
 
 
 class LoRALinear(nn.Module):
@@ -146,21 +182,40 @@ class LoRALinear(nn.Module):
         out = self.base_layer(x)
         routing = self._scope.current(self.path)
         layer_bank = self._banks.get(routing.bank)
-        if layer_bank is None:
-            # This bank set does not target this layer: its adapters leave it as the base.
+        if layer_bank is None or routing.num_active == 0:
+            # This bank set does not target this layer (its adapters leave it as the base),
+            # or every token of the forward is a base-model token.
             return out
-        flat_out = apply_lora(
-            out.reshape(-1, self.out_features),
-            x.reshape(-1, self.in_features),
-            layer_bank.A,
-            layer_bank.B,
-            routing,
-            self.kernel,
-        )
-        return flat_out.view_as(out)
+        flat_x = x.reshape(-1, self.in_features)
+        group = layer_bank.group
+        if group is None:
+            hidden = lora_hidden(flat_x, layer_bank.A, routing, self.kernel)
+        else:
+            hidden = group.hidden(layer_bank.member, x, flat_x, routing, self.kernel)
+        if hidden is None:
+            return out
+        delta = lora_output(hidden, layer_bank.B, routing, self.kernel)
+        return add_deltas(out.reshape(-1, self.out_features), delta, routing).view_as(out)
 
     def extra_repr(self) -> str:
         return f"path={self.path!r}, banks={sorted(self._banks)}"
+
+
+def _usable_groups(
+    input_groups: Sequence[Sequence[str]], layers: Mapping[str, LoRALinear]
+) -> list[tuple[str, ...]]:
+    """The groups whose members this bank wraps as plain linears of one input width."""
+    usable = []
+    seen: set[str] = set()
+    for group in input_groups:
+        members = tuple(
+            p for p in layers if p in set(group) and layer_experts(layers[p]) == 1 and p not in seen
+        )
+        widths = {layers[p].in_features for p in members}
+        if len(members) >= 2 and len(widths) == 1:
+            usable.append(members)
+            seen.update(members)
+    return usable
 
 
 @dataclass
@@ -193,7 +248,11 @@ class BankSet:
         r_max: int,
         trainable: bool = True,
         device: torch.device | str | None = None,
+        input_groups: Sequence[Sequence[str]] = (),
     ) -> BankSet:
+        """`input_groups` lists layers known to be fed the same input (see `InputGroup`);
+        groups are laid out to share one A-projection. Only the bank's plain linears with
+        equal in_features count, and a group needs two of them."""
         if not isinstance(num_slots, int) or num_slots < 2:
             raise BankError(f"num_slots must be >= 2 (slot 0 is the base model), got {num_slots!r}")
         if not isinstance(r_max, int) or r_max < 1:
@@ -201,16 +260,26 @@ class BankSet:
         if not layers:
             raise BankError(f"bank {name!r} targets no layer")
         r_store = _round_up(r_max, _ALIGN)
-        spans: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {}
+        groups = _usable_groups(input_groups, layers)
+        group_of = {path: group for group in groups for path in group}
+        a_spans: dict[str, tuple[int, int]] = {}
+        b_spans: dict[str, tuple[int, int]] = {}
         cursor = 0
-        for path, layer in layers.items():
-            a_len = r_store * layer.in_features
-            b_len = layer.out_features * r_store
-            a_span = (cursor, cursor + a_len)
-            cursor = _round_up(cursor + a_len, _ALIGN)
-            b_span = (cursor, cursor + b_len)
-            cursor = _round_up(cursor + b_len, _ALIGN)
-            spans[path] = (a_span, b_span)
+        for path in layers:
+            if path in a_spans:
+                continue
+            # A group's A's first, back to back (r_store * in is a multiple of _ALIGN, so no
+            # gap): one [members * r_store, in] view per slot. Then their B's.
+            members = group_of.get(path, (path,))
+            for member in members:
+                a_len = r_store * layers[member].in_features
+                a_spans[member] = (cursor, cursor + a_len)
+                cursor = _round_up(cursor + a_len, _ALIGN)
+            for member in members:
+                b_len = layers[member].out_features * r_store
+                b_spans[member] = (cursor, cursor + b_len)
+                cursor = _round_up(cursor + b_len, _ALIGN)
+        spans = {path: (a_spans[path], b_spans[path]) for path in layers}
         if device is None:
             device = next(iter(layers.values())).weight.device
         params = torch.zeros(num_slots, cursor, dtype=torch.float32, device=device)
@@ -232,6 +301,16 @@ class BankSet:
             layer_bank = LayerBank(A=A, B=B, a_span=(a0, a1), b_span=(b0, b1))
             layer.attach(name, layer_bank)
             layer_banks[path] = layer_bank
+        for members in groups:
+            a0, a1 = a_spans[members[0]][0], a_spans[members[-1]][1]
+            stacked = (num_slots, len(members) * r_store, layers[members[0]].in_features)
+            A = nn.Parameter(params[:, a0:a1].view(stacked), requires_grad=trainable)
+            if grads is not None:
+                A.grad = grads[:, a0:a1].view(stacked)
+            group = InputGroup(members, A, r_store)
+            for index, member in enumerate(members):
+                layer_banks[member].group = group
+                layer_banks[member].member = index
         bank = cls(
             name=name,
             layers=dict(layers),
@@ -384,10 +463,14 @@ class BankSet:
         self._zero_slot(slot)
         self.params[slot].copy_(self.join_row(weights, rank, info.targets))
 
+    def layout(self) -> list[tuple[str, tuple[int, int], tuple[int, int]]]:
+        """Where each layer's A and B sit in a slot's flat row."""
+        return [(path, lb.a_span, lb.b_span) for path, lb in self.layer_banks.items()]
+
     @torch.no_grad()
     def copy_slot_from(self, other: BankSet, src_slot: int, dst_slot: int) -> None:
         """Row copy between bank sets over the same layers (e.g. trainer -> sampler publish)."""
-        if list(other.layers) != list(self.layers) or other.row_size != self.row_size:
+        if other.layout() != self.layout():
             raise BankError(f"bank {other.name!r} and {self.name!r} do not share a layout")
         info = other.check_slot(src_slot)
         if self.slots[dst_slot] is None:

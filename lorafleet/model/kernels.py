@@ -11,6 +11,10 @@ implementations agree in values and gradients:
 - `loop`: one pair of matmuls per slot that has tokens; the reference in tests and the
   fallback when the shapes do not meet grouped_mm's alignment rules.
 
+The two halves are separate (`lora_hidden`, `lora_output`) because layers fed the same input
+(q/k/v, gate/up) share one A-projection: their A's sit side by side in the bank, so one call
+projects for all of them (see banks.InputGroup).
+
 Never gather per-token weight matrices (`A[slot_ids]`): measured 60-230x slower.
 """
 
@@ -59,7 +63,9 @@ def grouped_mm_fits(dtype: torch.dtype, *dims: int) -> bool:
     return all((d * itemsize) % 16 == 0 for d in dims)
 
 
-def pick_kernel(kernel: KernelName, dtype: torch.dtype, in_features: int, rank: int, out_features: int) -> str:
+def pick_kernel(
+    kernel: KernelName, dtype: torch.dtype, in_features: int, rank: int, out_features: int
+) -> str:
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     fits = grouped_mm_fits(dtype, in_features, rank, out_features)
@@ -73,30 +79,102 @@ def pick_kernel(kernel: KernelName, dtype: torch.dtype, in_features: int, rank: 
     return kernel
 
 
-def _grouped_delta(xs: torch.Tensor, A: torch.Tensor, B: torch.Tensor, routing: Routing) -> torch.Tensor:
-    # A: [G, r, in] -> [G, in, r]; B: [G, out, r] -> [G, r, out]; both transposed views, no copy.
-    # Only the slots from first_active to last_active run (offsets are cumulative, so the
-    # slice still starts at token 0).
+def _gather(x: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """The routed tokens of flat `x`, in slot order: a slice when the batch is slot-sorted."""
+    if routing.sorted_from is not None:
+        return x[routing.sorted_from :]
+    return x.index_select(0, routing.order)
+
+
+def _check(x: torch.Tensor, A: torch.Tensor, routing: Routing) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"x must be [tokens, features], got shape {tuple(x.shape)}")
+    if x.shape[0] != routing.num_tokens:
+        raise ValueError(
+            f"routing covers {routing.num_tokens} tokens but the layer got {x.shape[0]}; "
+            "build the routing from the same batch that is fed to the model"
+        )
+    if A.shape[0] != routing.num_slots:
+        raise ValueError(
+            f"routing was built for {routing.num_slots} slots but the bank has {A.shape[0]}"
+        )
+
+
+def lora_hidden(
+    x: torch.Tensor, A: torch.Tensor, routing: Routing, kernel: KernelName = "auto"
+) -> torch.Tensor | None:
+    """First half of LoRA for the routed tokens: scale[slot] * (A[slot] @ x[t]), sorted by slot.
+
+    x: [num_tokens, in]; A: [slots, rows, in] (slot 0 included and ignored; `rows` may stack
+    the A's of several layers fed the same input). Returns fp32 [num_active, rows], or None
+    when no token uses an adapter.
+
+    The LoRA path always runs in the bank's dtype (fp32 masters), as PEFT does for fp32
+    adapters on a bf16 base: a token's delta then never depends on how many tokens or slots
+    share the forward, so a trainer forward and a sampler prefill of the same tokens agree
+    exactly, and gradients reach the fp32 bank without a bf16 round trip. LoRA flops are
+    ~r(in+out)/(in*out) of the base layer's, so fp32 costs little.
+    """
+    _check(x, A, routing)
+    if routing.num_active == 0:
+        return None
+    xs = _gather(x, routing).to(A.dtype)
+    hidden = _segment_matmul(
+        xs, A, routing, pick_kernel(kernel, A.dtype, A.shape[2], A.shape[1], A.shape[1])
+    )
+    # In place: grouped_mm/bmm keep their inputs for backward, not their output.
+    return _contiguous_grad(hidden.mul_(routing.token_scale))
+
+
+def lora_output(
+    hidden: torch.Tensor, B: torch.Tensor, routing: Routing, kernel: KernelName = "auto"
+) -> torch.Tensor:
+    """Second half: B[slot] @ hidden[t] for the sorted routed tokens ([num_active, out], fp32).
+
+    `hidden` may be a column slice of a stacked hidden (one layer's share of `lora_hidden`
+    over several A's); only its row stride has to meet grouped_mm's alignment."""
+    impl = pick_kernel(kernel, B.dtype, hidden.stride(0), B.shape[2], B.shape[1])
+    return _contiguous_grad(_segment_matmul(hidden, B, routing, impl))
+
+
+def _segment_matmul(xs: torch.Tensor, W: torch.Tensor, routing: Routing, impl: str) -> torch.Tensor:
+    """xs[t] @ W[slot(t)].T for slot-sorted rows xs: [num_active, k], W: [slots, n, k]."""
     first, last = routing.first_active, routing.last_active
-    offsets = routing.offsets[first - 1 : last]
-    hidden = torch._grouped_mm(xs, A[first - 1 : last].transpose(1, 2), offs=offsets)
-    hidden = _contiguous_grad(hidden * routing.token_scale.to(hidden.dtype))
-    return _contiguous_grad(torch._grouped_mm(hidden, B[first - 1 : last].transpose(1, 2), offs=offsets))
+    if impl == "loop":
+        return torch.cat(
+            [xs[start:end] @ W[slot].T for slot, start, end in _segments(routing)], dim=0
+        )
+    # Only the slots from first_active to last_active run (a view of the bank); W[s].T is a
+    # transposed view, no copy.
+    weights = W[first : last + 1].transpose(1, 2)
+    count = routing.uniform_count
+    if count is not None:
+        # Every slot of the span has `count` rows: a plain batched matmul, which on CPU costs
+        # about half of grouped_mm's per-group slicing for decode-sized segments.
+        return torch.bmm(xs.view(-1, count, xs.shape[1]), weights).view(xs.shape[0], -1)
+    return torch._grouped_mm(xs, weights, offs=routing.span_offsets)
 
 
-def _loop_delta(xs: torch.Tensor, A: torch.Tensor, B: torch.Tensor, routing: Routing) -> torch.Tensor:
-    pieces = []
+def _segments(routing: Routing) -> list[tuple[int, int, int]]:
+    """(slot, start, end) of each slot's tokens in the sorted order (the loop kernel's plan)."""
+    segments = []
     start = 0
-    for group, count in enumerate(routing.counts):
-        if count == 0:
-            continue
-        end = start + count
-        hidden = (xs[start:end] @ A[group].T) * routing.token_scale[start:end].to(xs.dtype)
-        pieces.append(hidden @ B[group].T)
-        start = end
-    if not pieces:
-        return xs.new_zeros((0, B.shape[1]))
-    return torch.cat(pieces, dim=0)
+    for slot, count in enumerate(routing.counts, start=1):
+        if count:
+            segments.append((slot, start, start + count))
+            start += count
+    return segments
+
+
+def add_deltas(base_out: torch.Tensor, delta: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """base_out (flat [tokens, out]) plus each routed token's delta, in place.
+
+    In place is safe: base_out is the base layer's fresh output, which its backward does not
+    keep (the delta is added in base_out's dtype)."""
+    if routing.sorted_from is not None:
+        base_out[routing.sorted_from :].add_(delta.to(base_out.dtype))
+        return base_out
+    return base_out.index_add_(0, routing.order, delta.to(base_out.dtype))
 
 
 def lora_delta(
@@ -109,47 +187,24 @@ def lora_delta(
     """LoRA deltas of the routed tokens, in `routing.order` (sorted by slot).
 
     x: [num_tokens, in] activations; A: [slots, r, in]; B: [slots, out, r] (slot 0 included and
-    ignored). Returns [num_active, out] (in x's or the bank's dtype; the caller casts) or None
-    when no token uses an adapter.
+    ignored). Returns fp32 [num_active, out] or None when no token uses an adapter.
     """
-    if x.dim() != 2:
-        raise ValueError(f"x must be [tokens, features], got shape {tuple(x.shape)}")
-    if x.shape[0] != routing.num_tokens:
+    if B.shape[0] != routing.num_slots:
         raise ValueError(
-            f"routing covers {routing.num_tokens} tokens but the layer got {x.shape[0]}; "
-            "build the routing from the same batch that is fed to the model"
+            f"routing was built for {routing.num_slots} slots but the bank has {B.shape[0]}"
         )
-    if A.shape[0] != routing.num_slots or B.shape[0] != routing.num_slots:
-        raise ValueError(
-            f"routing was built for {routing.num_slots} slots but the bank has {A.shape[0]}"
-        )
-    if routing.num_active == 0:
-        return None
-    xs = x.contiguous() if routing.in_order else x.index_select(0, routing.order)
-    # The LoRA path always runs in the bank's dtype (fp32 masters), as PEFT does for fp32
-    # adapters on a bf16 base: the delta of a token then never depends on how many tokens
-    # or slots share the forward, so a trainer forward and a sampler prefill of the same
-    # tokens agree exactly, and gradients reach the fp32 bank without a bf16 round trip.
-    # LoRA flops are ~r(in+out)/(in*out) of the base layer's, so fp32 costs little.
-    compute_dtype = A.dtype
-    xs = xs.to(compute_dtype)
-    A_active = A[1:]
-    B_active = B[1:]
-    impl = pick_kernel(kernel, compute_dtype, A.shape[2], A.shape[1], B.shape[1])
-    if impl == "grouped":
-        return _grouped_delta(xs, A_active, B_active, routing)
-    return _loop_delta(xs, A_active, B_active, routing)
+    hidden = lora_hidden(x, A, routing, kernel)
+    return None if hidden is None else lora_output(hidden, B, routing, kernel)
 
 
 def apply_lora(
-    base_out: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, routing: Routing,
+    base_out: torch.Tensor,
+    x: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    routing: Routing,
     kernel: KernelName = "auto",
 ) -> torch.Tensor:
     """base_out + LoRA deltas scattered back to their tokens' rows (flat [tokens, out])."""
     delta = lora_delta(x, A, B, routing, kernel)
-    if delta is None:
-        return base_out
-    # In place: base_out is the base layer's fresh output, which its backward does not keep.
-    if routing.in_order:
-        return base_out.add_(delta.to(base_out.dtype))
-    return base_out.index_add_(0, routing.order, delta.to(base_out.dtype))
+    return base_out if delta is None else add_deltas(base_out, delta, routing)

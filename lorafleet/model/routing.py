@@ -40,7 +40,9 @@ class Routing:
     offsets: torch.Tensor  # int32 [num_slots - 1]
     counts: tuple[int, ...]  # tokens per slot 1..num_slots-1 (host copy, for the loop kernel)
     token_scale: torch.Tensor  # float32 [M, 1]
-    in_order: bool = False  # every token uses an adapter and tokens are already slot-sorted
+    # When the flat tokens are already sorted by slot (base tokens first), the routed tokens
+    # are exactly the suffix starting here, so layers slice instead of gather/scatter.
+    sorted_from: int | None = None
     # The span of slots [first, last] that own tokens (1 and 0 when none do): kernels run only
     # those groups (a view of the bank), so a pool of mostly idle slots costs nothing.
     first_active: int = 1
@@ -50,9 +52,13 @@ class Routing:
     slot_ids: torch.Tensor | None = None  # int64 [num_tokens]
     slot_scales: torch.Tensor | None = None  # float32 [num_slots]
 
-    @property
-    def num_active(self) -> int:
-        return int(self.order.numel())
+    # Precomputed once per forward, read by every layer (a decode step is dominated by
+    # per-layer overhead): the routed token count, the offsets of the active span, and the
+    # tokens per slot when every slot of that span has the same count (then the kernels run
+    # one batched matmul instead of a grouped one).
+    num_active: int = 0
+    span_offsets: torch.Tensor | None = None  # int32, offsets[first_active - 1 : last_active]
+    uniform_count: int | None = None
 
     def active_slots(self) -> list[int]:
         """Slots that own at least one token in this forward."""
@@ -83,16 +89,20 @@ def build_routing(
             bad = low if low < 0 else high
             raise RoutingError(f"slot id {bad} is outside the bank's slots [0, {num_slots})")
     counts = torch.bincount(flat, minlength=num_slots)
-    # A trainer that lays rows out slot by slot gets tokens already in segment order; then
-    # layers skip the gather/scatter and add the delta in place.
-    in_order = bool(flat.numel() > 0 and int(counts[BASE_SLOT]) == 0 and bool((flat[1:] >= flat[:-1]).all()))
-    if in_order:
-        order = torch.arange(flat.numel(), device=flat.device)
+    # A trainer or sampler that lays rows out slot by slot gets tokens already in segment
+    # order (base rows first); then layers skip the gather/scatter and add deltas in place.
+    sorted_from = None
+    if flat.numel() > 0 and bool((flat[1:] >= flat[:-1]).all()):
+        sorted_from = int(counts[BASE_SLOT])
+        order = torch.arange(sorted_from, flat.numel(), device=flat.device)
     else:
         active_idx = torch.nonzero(flat > BASE_SLOT, as_tuple=False).reshape(-1)
         order = active_idx[torch.argsort(flat[active_idx], stable=True)]
     offsets = torch.cumsum(counts[1:], dim=0).to(torch.int32)
-    active = [slot for slot, count in enumerate(counts.tolist()) if slot > BASE_SLOT and count > 0]
+    count_list = counts.tolist()
+    active = [slot for slot, count in enumerate(count_list) if slot > BASE_SLOT and count > 0]
+    first, last = (active[0], active[-1]) if active else (1, 0)
+    span_counts = set(count_list[first : last + 1])
     token_scale = slot_scales.to(torch.float32)[flat[order]].unsqueeze(1)
     return Routing(
         bank=bank,
@@ -102,9 +112,12 @@ def build_routing(
         offsets=offsets,
         counts=tuple(int(c) for c in counts[1:].tolist()),
         token_scale=token_scale,
-        in_order=in_order,
-        first_active=active[0] if active else 1,
-        last_active=active[-1] if active else 0,
+        sorted_from=sorted_from,
+        first_active=first,
+        last_active=last,
+        num_active=int(order.numel()),
+        span_offsets=offsets[first - 1 : last],
+        uniform_count=span_counts.pop() if len(span_counts) == 1 and active else None,
         slot_ids=flat,
         slot_scales=slot_scales.to(torch.float32).clone(),
     )

@@ -4,21 +4,26 @@ Flow of one `forward_backward(items)`:
 1. `prepare` validates every item completely (slot, tokens, loss inputs) before any compute, so a
    rejected call changes no adapter, gradient or optimizer state. A server validates each
    client's request on its own, then batches the prepared items of many clients together.
-2. Items are packed into micro-batches by a padded-token budget (memory stays bounded however
-   large the call), right-padded, and routed per row to their adapter slot (padding -> slot 0).
+2. Items of one slot that start with the same tokens (the prompt of an RL sampling group) are
+   grouped to run that prefix once, and everything is packed into micro-batches by a budget of
+   padded tokens really run (memory stays bounded however large the call); see layout.py.
 3. Each item's loss is computed on its own target log-probs and the sum is backpropagated once
    per micro-batch; each slot's gradient row receives exactly what its rows alone would give.
-   Gradients accumulate per adapter across calls until that adapter's optimizer step.
+   The head and its fp32 log-softmax carry autograd only at positions whose loss term can have a
+   gradient (`losses.gradient_mask`: not the prompt of an RL datum); every position's log-prob
+   is still returned. Gradients accumulate per adapter across calls until its optimizer step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from lorafleet.adapters.checkpoint import (
     TrainingState,
@@ -29,9 +34,12 @@ from lorafleet.adapters.checkpoint import (
 from lorafleet.adapters.peft_io import export_peft, import_peft
 from lorafleet.model.adapted import AdaptedModel
 from lorafleet.model.banks import AdapterSpec, BankSet
+from lorafleet.train.layout import Layout, Unit, build_layout, find_groups, plan_units, singles
+from lorafleet.train.layout import plan_microbatches as plan_microbatches  # re-exported (dist/)
 from lorafleet.train.losses import (
     LossSpec,
     compute_loss,
+    gradient_mask,
     loss_targets,
     merge_metrics,
     validate_loss,
@@ -39,6 +47,10 @@ from lorafleet.train.losses import (
 from lorafleet.train.optim import AdamHParams, BankAdamW
 
 DEFAULT_TOKEN_BUDGET = 4096
+
+SPLIT_HEAD_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe"})
+"""Families whose logits are exactly `lm_head(model.model(...).last_hidden_state)` (the ones we
+ship presets for). Only these run shared prefixes and a partial head; see `_decoder_and_head`."""
 
 
 class TrainInputError(ValueError):
@@ -81,29 +93,7 @@ class BatchOutput:
     num_microbatches: int
     slots: tuple[int, ...]  # distinct adapter slots in the batch
     metrics: dict[str, float] = field(default_factory=dict)  # all items merged
-
-
-def plan_microbatches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
-    """Groups item indices so that rows x longest row <= token_budget per micro-batch.
-
-    Longest first, so rows of similar length pad together; an item longer than the budget
-    gets a micro-batch of its own.
-    """
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    batches: list[list[int]] = []
-    current: list[int] = []
-    current_max = 0
-    for index in order:
-        length = lengths[index]
-        new_max = max(current_max, length)
-        if current and new_max * (len(current) + 1) > token_budget:
-            batches.append(current)
-            current, new_max = [], length
-        current.append(index)
-        current_max = new_max
-    if current:
-        batches.append(current)
-    return batches
+    tokens_run: int = 0  # padded tokens through the model (a shared prefix counts once)
 
 
 class TrainEngine:
@@ -117,7 +107,11 @@ class TrainEngine:
         base_model_id: str,
         token_budget: int = DEFAULT_TOKEN_BUDGET,
         with_optimizer: bool = True,
+        share_prefixes: bool = True,
+        head_grad_where_needed: bool = True,
     ):
+        """`share_prefixes` and `head_grad_where_needed` (both exact, on by default) exist to
+        measure the plain path against them (bench/train_prefix.py)."""
         if token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {token_budget}")
         self.adapted = adapted
@@ -128,6 +122,10 @@ class TrainEngine:
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
         self.max_length = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
         self.device = self.bank.params.device
+        # Decided once for the model: (decoder, head), or None for the plain path.
+        self.split = _decoder_and_head(model)
+        self.share_prefixes = share_prefixes and self.split is not None
+        self.head_grad_where_needed = head_grad_where_needed
         self.optimizer: BankAdamW | None = None
         if with_optimizer:
             if not self.bank.trainable:
@@ -135,7 +133,8 @@ class TrainEngine:
             self.optimizer = BankAdamW(self.bank.params, self.bank.grads)
         self.hparams: dict[int, AdamHParams] = {}
         # Sharded (FSDP) training: each rank runs its share of a micro-batch, and every rank must
-        # take the same branch (backward, or raise) or the others wait forever in a collective.
+        # take the same branch (backward, or raise) or the others wait forever in a collective
+        # (a sharded base also keeps the plain path, one forward per micro-batch on every rank).
         # Given "this rank's losses are finite", it returns whether all ranks' are (lorafleet.dist).
         self.all_ranks_ok: Callable[[bool], bool] | None = None
 
@@ -162,19 +161,32 @@ class TrainEngine:
     def _prepare_one(self, index: int, item: TrainItem) -> PreparedItem:
         where = f"datum {index}"
         slot = item.slot
-        if not isinstance(slot, int) or isinstance(slot, bool) or not 1 <= slot < self.bank.num_slots or self.bank.slots[slot] is None:
-            raise TrainInputError(f"{where}: slot {slot!r} holds no adapter in bank {self.bank.name!r}")
+        if (
+            not isinstance(slot, int)
+            or isinstance(slot, bool)
+            or not 1 <= slot < self.bank.num_slots
+            or self.bank.slots[slot] is None
+        ):
+            raise TrainInputError(
+                f"{where}: slot {slot!r} holds no adapter in bank {self.bank.name!r}"
+            )
         tokens = torch.as_tensor(item.tokens)
         if tokens.numel() == 0:
             raise TrainInputError(f"{where}: model input is empty")
         if tokens.dtype.is_floating_point or tokens.dtype == torch.bool or tokens.dtype.is_complex:
-            raise TrainInputError(f"{where}: model input tokens must be integers, got dtype {tokens.dtype}")
+            raise TrainInputError(
+                f"{where}: model input tokens must be integers, got dtype {tokens.dtype}"
+            )
         tokens = tokens.to(torch.int64).reshape(-1) if tokens.dim() <= 1 else tokens
         if tokens.dim() != 1:
-            raise TrainInputError(f"{where}: model input tokens must be 1-D, got shape {tuple(tokens.shape)}")
+            raise TrainInputError(
+                f"{where}: model input tokens must be 1-D, got shape {tuple(tokens.shape)}"
+            )
         length = int(tokens.numel())
         if self.max_length is not None and length > self.max_length:
-            raise TrainInputError(f"{where}: model input has {length} tokens, more than the context length {self.max_length}")
+            raise TrainInputError(
+                f"{where}: model input has {length} tokens, more than the context length {self.max_length}"
+            )
         low, high = int(tokens.min()), int(tokens.max())
         if low < 0 or high >= self.vocab_size:
             bad = low if low < 0 else high
@@ -209,86 +221,176 @@ class TrainEngine:
         return self.prepare(items)
 
     def _run(self, prepared: list[PreparedItem], *, backward: bool) -> BatchOutput:
-        outputs: list[ItemOutput | None] = [None] * len(prepared)
-        batches = plan_microbatches([p.length for p in prepared], self.token_budget)
+        outputs: dict[int, ItemOutput] = {}
+        slots, tokens = [p.slot for p in prepared], [p.tokens for p in prepared]
+        lengths = [p.length for p in prepared]
+        units = find_groups(slots, tokens) if self.share_prefixes else singles(len(prepared))
+        batches = plan_units(units, lengths, self.token_budget)
         # Each micro-batch checks its losses before its backward; if a later one fails, the
         # gradients earlier ones already added are rolled back, so the call is all or nothing.
         snapshot = None
         if backward and len(batches) > 1:
-            slots = sorted({p.slot for p in prepared})
-            snapshot = (slots, self.bank.grads[slots].clone())
+            used = sorted(set(slots))
+            snapshot = (used, self.bank.grads[used].clone())
+        tokens_run = 0
         try:
-            for indices in batches:
-                batch = [prepared[i] for i in indices]
-                results = self._run_microbatch(batch, backward=backward)
-                for i, result in zip(indices, results, strict=True):
-                    outputs[i] = result
+            for batch in batches:
+                layout = build_layout(slots, tokens, batch)
+                outputs.update(self._run_microbatch(prepared, batch, layout, backward=backward))
+                tokens_run += layout.tokens_run
         except Exception:
             if snapshot is not None:
-                slots, saved = snapshot
+                used, saved = snapshot
                 with torch.no_grad():
-                    self.bank.grads[slots] = saved
+                    self.bank.grads[used] = saved
             raise
-        slots = tuple(sorted({p.slot for p in prepared}))
+        distinct = tuple(sorted(set(slots)))
         if backward and self.optimizer is not None:
-            self.optimizer.note_gradient(slots)
-        finished = [o for o in outputs if o is not None]
+            self.optimizer.note_gradient(distinct)
+        finished = [outputs[i] for i in range(len(prepared))]
         return BatchOutput(
             items=finished,
             num_microbatches=len(batches),
-            slots=slots,
+            slots=distinct,
             metrics=merge_metrics(o.metrics for o in finished),
+            tokens_run=tokens_run,
         )
 
-    def _run_microbatch(self, batch: list[PreparedItem], *, backward: bool) -> list[ItemOutput]:
-        # Rows laid out slot by slot, padding routed to its row's slot: tokens arrive already
-        # in segment order, so the LoRA layers skip their gather/scatter. Padding sits after
-        # each row's last real token, so under causal attention it can influence no real
-        # token, and its LoRA gradient is exactly zero.
-        layout = sorted(range(len(batch)), key=lambda i: batch[i].slot)
-        rows = len(batch)
-        max_len = max(p.length for p in batch)
-        width = max(_target_width(p.loss) for p in batch)
-        input_ids = torch.zeros(rows, max_len, dtype=torch.int64)
-        attention_mask = torch.zeros(rows, max_len, dtype=torch.int64)
-        slot_ids = torch.empty(rows, max_len, dtype=torch.int64)
-        targets = torch.zeros(rows, max_len, width, dtype=torch.int64)
-        for row, index in enumerate(layout):
-            item = batch[index]
-            input_ids[row, : item.length] = item.tokens
-            attention_mask[row, : item.length] = 1
-            slot_ids[row] = item.slot
-            item_targets = loss_targets(item.loss)
-            targets[row, : item.length, : _target_width(item.loss)] = item_targets.reshape(item.length, -1)
-        with self.adapted.routing(self.bank.name, slot_ids.to(self.device)):
-            logits = self.adapted.model(
-                input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device)
-            ).logits
-        # fp32 log-softmax once for the batch, then one gather: per-row slicing of the logits
-        # would make autograd zero-fill a full-batch logits gradient for every row.
-        target_logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.to(self.device))
+    def _run_microbatch(
+        self, prepared: list[PreparedItem], units: list[Unit], layout: Layout, *, backward: bool
+    ) -> dict[int, ItemOutput]:
+        indices = [i for unit in units for i in unit.items]
+        targets = [loss_targets(prepared[i].loss) for i in indices]
+        # One entry per (item, position, target): the hidden row it reads and its target id.
+        rows = torch.cat(
+            [
+                layout.positions[i].repeat_interleave(t.numel() // t.shape[0])
+                for i, t in zip(indices, targets, strict=True)
+            ]
+        )
+        flat_targets = torch.cat([t.reshape(-1) for t in targets])
+        if backward and self.head_grad_where_needed:
+            wanted = torch.cat([gradient_mask(prepared[i].loss).reshape(-1) for i in indices])
+            # Backward runs even when no term has a gradient (it adds exact zeros): a sharded
+            # rank must join the other ranks' backward collectives.
+            wanted[0] = True
+        else:
+            wanted = torch.full_like(flat_targets, backward, dtype=torch.bool)
+        features = self._features(layout)
+        logprobs = self._target_logprobs(
+            features,
+            layout.hidden_slots.to(self.device),
+            rows.to(self.device),
+            flat_targets.to(self.device),
+            wanted.to(self.device),
+        )
         losses: list[torch.Tensor] = []
-        outputs: list[ItemOutput | None] = [None] * rows
+        outputs: dict[int, ItemOutput] = {}
         failure: TrainInputError | None = None
-        for row, index in enumerate(layout):
-            item = batch[index]
-            logprobs = target_logprobs[row, : item.length, : _target_width(item.loss)]
-            logprobs = logprobs.reshape(loss_targets(item.loss).shape)
-            loss, metrics = compute_loss(item.loss, logprobs)
+        for index, item_targets, item_logprobs in zip(
+            indices, targets, logprobs.split([t.numel() for t in targets]), strict=True
+        ):
+            item = prepared[index]
+            item_logprobs = item_logprobs.reshape(item_targets.shape)
+            loss, metrics = compute_loss(item.loss, item_logprobs)
             if failure is None and not math.isfinite(metrics["loss:sum"]):
                 failure = TrainInputError(
                     f"loss of a {item.loss.name} datum for slot {item.slot} is {metrics['loss:sum']} "
                     "(log-ratio overflow?); nothing was applied"
                 )
             losses.append(loss)
-            outputs[index] = ItemOutput(logprobs=logprobs.detach().float().cpu(), metrics=metrics)
-        if self.all_ranks_ok is not None and not self.all_ranks_ok(failure is None) and failure is None:
-            failure = TrainInputError("a datum on another rank of this batch has a non-finite loss; nothing was applied")
+            outputs[index] = ItemOutput(
+                logprobs=item_logprobs.detach().float().cpu(), metrics=metrics
+            )
+        if (
+            self.all_ranks_ok is not None
+            and not self.all_ranks_ok(failure is None)
+            and failure is None
+        ):
+            failure = TrainInputError(
+                "a datum on another rank of this batch has a non-finite loss; nothing was applied"
+            )
         if failure is not None:
             raise failure
         if backward:
             torch.stack(losses).sum().backward()
-        return [o for o in outputs if o is not None]
+        return outputs
+
+    def _routing(self, slot_ids: torch.Tensor):
+        return self.adapted.routing(self.bank.name, slot_ids.to(self.device))
+
+    def _features(self, layout: Layout) -> torch.Tensor:
+        """[hidden rows, hidden]: final hidden states at every real position of the layout (on
+        the plain path, the logits there). Padding sits after each row's real tokens, so under
+        causal attention (and the explicit masks of the second forward) it influences no real
+        token and its LoRA gradient is exactly zero."""
+        first, second = layout.first, layout.second
+        if self.split is None:
+            with self._routing(first.slot_ids):
+                logits = self.adapted.model(
+                    input_ids=first.input_ids.to(self.device),
+                    attention_mask=first.attention_mask.to(self.device),
+                ).logits
+            return logits[first.real.to(self.device)]
+        decoder, _ = self.split
+        with self._routing(first.slot_ids):
+            out = decoder(
+                input_ids=first.input_ids.to(self.device),
+                attention_mask=first.attention_mask.to(self.device),
+                use_cache=second is not None,
+            )
+        hidden = [out.last_hidden_state[first.real.to(self.device)]]
+        if second is not None:
+            # Each member row extends its group's prefix cache: row selection is an indexing op,
+            # so the members' gradients flow back into the one prefix forward.
+            cache = out.cache
+            cache.batch_select_indices(second.cache_rows.to(self.device))
+            with self._routing(second.slot_ids):
+                out = decoder(
+                    input_ids=second.input_ids.to(self.device),
+                    attention_mask=second.attention_mask.to(self.device),
+                    position_ids=second.position_ids.to(self.device),
+                    cache=cache,
+                    use_cache=True,
+                )
+            hidden.append(out.last_hidden_state[second.real.to(self.device)])
+        return torch.cat(hidden)
+
+    def _target_logprobs(
+        self,
+        features: torch.Tensor,
+        slots: torch.Tensor,
+        rows: torch.Tensor,
+        targets: torch.Tensor,
+        wanted: torch.Tensor,
+    ) -> torch.Tensor:
+        """float32 [entries]: log-prob of `targets[e]` at hidden row `rows[e]`.
+
+        The head and the fp32 log-softmax run with autograd only on rows that a `wanted` entry
+        reads; the other rows (prompt positions of RL data) get theirs under no_grad, since no
+        loss term there has a gradient. One log-softmax and one gather per part: per-row
+        slicing would make autograd zero-fill a full-size logits gradient for every row.
+        """
+        hot = torch.zeros(features.shape[0], dtype=torch.bool, device=features.device)
+        hot[rows[wanted]] = True
+        values = torch.empty(rows.shape, dtype=torch.float32, device=features.device)
+        for part, grad in ((hot, True), (~hot, False)):
+            if not bool(part.any()):
+                continue
+            with contextlib.nullcontext() if grad else torch.no_grad():
+                logprobs = self._head_logprobs(features[part], slots[part])
+            local = torch.cumsum(part, 0) - 1  # hidden row -> its row within the part
+            entries = part[rows]
+            values[entries] = logprobs[local[rows[entries]], targets[entries]]
+        return values
+
+    def _head_logprobs(self, features: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        if self.split is None:
+            logits = features
+        else:
+            with self._routing(slots):  # the head may carry LoRA (train_unembed)
+                logits = self.split[1](features)
+        return torch.log_softmax(logits.float(), dim=-1)
 
     # ---------------------------------------------------------------- optimizer
     def optim_step(self, hparams: Mapping[int, AdamHParams]) -> dict[int, dict[str, float]]:
@@ -302,7 +404,9 @@ class TrainEngine:
         return metrics
 
     # ---------------------------------------------------------------- state files
-    def save_state(self, slot: int, dest: str | Path, *, metadata: dict | None = None, overwrite: bool = False) -> Path:
+    def save_state(
+        self, slot: int, dest: str | Path, *, metadata: dict | None = None, overwrite: bool = False
+    ) -> Path:
         return save_training_state(
             Path(dest),
             bank=self.bank,
@@ -315,7 +419,11 @@ class TrainEngine:
         )
 
     def load_state(
-        self, src: str | Path | TrainingState, *, slot: int | None = None, with_optimizer: bool = True,
+        self,
+        src: str | Path | TrainingState,
+        *,
+        slot: int | None = None,
+        with_optimizer: bool = True,
         source: str | Path | None = None,
     ) -> int:
         """Restores a training checkpoint (a directory, or one already read with
@@ -338,7 +446,13 @@ class TrainEngine:
         return slot
 
     def export_peft(self, slot: int, dest: str | Path, *, overwrite: bool = False) -> Path:
-        return export_peft(self.bank, slot, Path(dest), base_model_name_or_path=self.base_model_id, overwrite=overwrite)
+        return export_peft(
+            self.bank,
+            slot,
+            Path(dest),
+            base_model_name_or_path=self.base_model_id,
+            overwrite=overwrite,
+        )
 
     def import_peft(self, src: str | Path, *, slot: int | None = None, seed: int = 0) -> int:
         slot = import_peft(self.bank, Path(src), slot=slot, seed=seed)
@@ -347,7 +461,27 @@ class TrainEngine:
         return slot
 
 
-def _target_width(spec: LossSpec) -> int:
-    """Targets per position: 1, or K for top-k distillation targets [T, K]."""
-    targets = loss_targets(spec)
-    return 1 if targets.dim() == 1 else int(targets.shape[1])
+def _decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+    """The decoder (final hidden states and KV cache) and the head, if logits are exactly
+    head(decoder(...)) and a group's prefix cache can serve its members; else None, and the
+    engine keeps the plain path (one forward of the whole model, logits at every position):
+
+    - a family outside SPLIT_HEAD_MODEL_TYPES may scale, cap or mix its logits after the head;
+    - a layer that is not full attention (sliding window) would drop cached prefix positions;
+    - an FSDP-sharded base gathers the head's weights only inside the root module's forward, and
+      every rank must run the same forwards (a rank's rows may share a prefix, another's not).
+    """
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) not in SPLIT_HEAD_MODEL_TYPES:
+        return None
+    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
+        return None
+    if torch.distributed.is_available():
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(model, FSDPModule):
+            return None
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    if not isinstance(decoder, nn.Module) or not isinstance(head, nn.Module):
+        return None
+    return decoder, head

@@ -60,6 +60,7 @@ __all__ = [
     "LossInputError",
     "LossSpec",
     "compute_loss",
+    "gradient_mask",
     "loss_targets",
     "merge_metrics",
     "validate_loss",
@@ -350,6 +351,23 @@ def validate_loss(
 def loss_targets(spec: LossSpec) -> torch.Tensor:
     """The int64 target ids ([T] or [T, K]) whose log-probs the engine must gather."""
     return spec.inputs[_TARGETS]
+
+
+def gradient_mask(spec: LossSpec) -> torch.Tensor:
+    """Bool, shape of the targets: the entries whose loss term can have a non-zero gradient.
+
+    Everywhere else the term's gradient is exactly zero whatever the current log-probs (a zero
+    weight or advantage multiplies it or, where a ratio could overflow, masks it), so the engine
+    may compute those log-probs without autograd. cross_entropy: ``weights != 0``; importance_sampling, ppo,
+    cispo: ``A != 0`` (ppo's clipped tokens depend on the log-probs, so they stay in); dro:
+    ``A != 0``, or everywhere when ``beta > 0`` (its penalty pulls every log-ratio to 0).
+    """
+    if spec.name == "cross_entropy":
+        return spec.inputs["weights"] != 0
+    wanted = spec.inputs["advantages"] != 0
+    if spec.name == "dro" and spec.config["beta"] > 0:
+        wanted = torch.ones_like(wanted)
+    return wanted
 
 
 # --------------------------------------------------------------------------- losses
