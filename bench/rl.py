@@ -17,6 +17,9 @@ the 4-tenant step, alternating. Each ratio compares steps from its own phase.
   `token_time_over_trl` compares seconds per generated token as well, since the sides may
   stop at EOS at different points.
 - `tenants4_throughput_over_1`: rollouts/s with 4 tenants in one run over 1 tenant (>= 1.5).
+  The 1-tenant steps of that phase are the same four tenants' steps, taken alone in turn, so
+  both sides train at the same point of learning (a tenant whose groups all agree trains
+  nothing, and its step is cheap); `trained_rows` per step is in the JSON.
 - `lorafleet_phases`: where our 1-tenant step's time goes, from the client (per SDK call)
   and from the server (time inside the engine per request kind).
 
@@ -364,6 +367,7 @@ def main() -> None:
             base_url=None,
             dtype=args.dtype,
             max_adapters=5,
+            max_rank=RANK,  # as `lorafleet rl` sizes its banks: the tenants' largest rank
             max_sample_rows=128,
             torch_threads=args.torch_threads,
         )
@@ -393,12 +397,13 @@ def main() -> None:
         rows: dict[str, list[dict[str, Any]]] = {ONE_T: [], TRL: [], ONE_4: [], FOUR: []}
         phases: list[dict[str, Any]] = []
 
-        def one(record: str | None) -> None:
+        def one(record: str | None, who: int = 0) -> None:
+            timed = timed_tc if who == 0 else TimedTrainingClient(tcs[who])
             clock.take()
             start = time.perf_counter()
-            row = runners[0].train_step(timed_tc, tokenizer, next(steps))
+            row = runners[who].train_step(timed, tokenizer, next(steps))
             end = time.perf_counter()
-            client, (engine, batches) = timed_tc.phases(start, end), clock.take()
+            client, (engine, batches) = timed.phases(start, end), clock.take()
             if record is not None:
                 rows[record].append(
                     {
@@ -425,7 +430,11 @@ def main() -> None:
             end = time.perf_counter()
             if record:
                 rows[FOUR].append(
-                    {"step_s": end - start, "tokens": sum(r["sampled_tokens"] for r in out)}
+                    {
+                        "step_s": end - start,
+                        "tokens": sum(r["sampled_tokens"] for r in out),
+                        "trained_rows": sum(r["trained_rows"] for r in out),
+                    }
                 )
 
         trl: TrlSide | None = None
@@ -456,10 +465,13 @@ def main() -> None:
                     rows[TRL].extend(trl.steps(args.trl_steps_per_round))
                 trl.close()
             if not args.no_tenants4:
-                one(None)
+                # The solo steps are the same four tenants' steps, in turn: a tenant's step
+                # costs more while its groups still disagree (more rows to train), so solo
+                # and together must be measured at the same point of learning.
+                one(None, who=1)
                 four(False)
-                for _ in range(args.repeats):
-                    one(ONE_4)
+                for round_ in range(args.repeats):
+                    one(ONE_4, who=1 + round_ % 4)
                     four(True)
         finally:
             if trl is not None:

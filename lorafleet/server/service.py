@@ -149,11 +149,14 @@ class Service:
         self.keys = KeyRing(config.api_keys)
         self.futures = FutureTable(self.store)
         engine = config.engine or EngineConfig(base_model=config.base_model)
-        self.executor = Executor(engine, self.store, self.data_dir)
         self.scheduler = Scheduler(
-            self.executor, self.futures, batch_window_s=config.batch_window_s, gap_timeout_s=config.gap_timeout_s
+            None,  # type: ignore[arg-type] - built on the worker thread, below
+            self.futures,
+            batch_window_s=config.batch_window_s,
+            gap_timeout_s=config.gap_timeout_s,
         )
-        self.executor.scheduler = self.scheduler
+        self.scheduler.start(lambda: self._build_executor(engine)).result()
+        self.executor: Executor = self.scheduler.executor
         self.model_names = list(dict.fromkeys([self.executor.base_id, str(self.executor.base_path)]))
         self.started_at = time.time()
         self._last_maintenance = time.monotonic()
@@ -191,17 +194,18 @@ class Service:
             self._last_maintenance = time.monotonic()
             self.maintain()
 
-    def start(self) -> None:
+    def _build_executor(self, engine: EngineConfig) -> None:
+        """Runs on the engine worker thread: every torch op of the server, model loading
+        included, happens on that one thread (see scheduler.py on why)."""
+        import torch
+
         threads = self.config.torch_threads
-
-        def init() -> None:
-            import torch
-
-            if threads:
-                torch.set_num_threads(threads)  # per thread for OpenMP: must run on the worker
-            self.executor.torch_threads = torch.get_num_threads()
-
-        self.scheduler.start(init)
+        if threads:
+            torch.set_num_threads(threads)  # per thread for OpenMP: must run on the worker
+        executor = Executor(engine, self.store, self.data_dir)
+        executor.torch_threads = torch.get_num_threads()
+        executor.scheduler = self.scheduler
+        self.scheduler.executor = executor
 
     def close(self) -> None:
         self.futures.close()
