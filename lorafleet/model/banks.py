@@ -208,9 +208,8 @@ def _usable_groups(
     usable = []
     seen: set[str] = set()
     for group in input_groups:
-        members = tuple(
-            p for p in layers if p in set(group) and layer_experts(layers[p]) == 1 and p not in seen
-        )
+        wanted = set(group) - seen
+        members = tuple(p for p in layers if p in wanted and layer_experts(layers[p]) == 1)
         widths = {layers[p].in_features for p in members}
         if len(members) >= 2 and len(widths) == 1:
             usable.append(members)
