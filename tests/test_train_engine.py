@@ -8,7 +8,8 @@ import torch
 from lorafleet.model.adapted import AdaptedModel
 from lorafleet.model.banks import AdapterSpec
 from lorafleet.model.targets import resolve_tinker_targets
-from lorafleet.train.engine import TrainEngine, TrainInputError, TrainItem, plan_microbatches
+from lorafleet.train.engine import TrainEngine, TrainInputError, TrainItem
+from lorafleet.train.layout import plan_microbatches
 from lorafleet.train.optim import AdamHParams
 from tests._models import tiny_qwen3
 

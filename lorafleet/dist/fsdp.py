@@ -51,8 +51,8 @@ from lorafleet.train.engine import (
     TrainEngine,
     TrainInputError,
     TrainItem,
-    plan_microbatches,
 )
+from lorafleet.train.layout import plan_microbatches
 from lorafleet.train.losses import merge_metrics
 from lorafleet.train.optim import AdamHParams, BankAdamW
 

@@ -35,7 +35,6 @@ from lorafleet.adapters.peft_io import export_peft, import_peft
 from lorafleet.model.adapted import AdaptedModel
 from lorafleet.model.banks import AdapterSpec, BankSet
 from lorafleet.train.layout import Layout, Unit, build_layout, find_groups, plan_units, singles
-from lorafleet.train.layout import plan_microbatches as plan_microbatches  # re-exported (dist/)
 from lorafleet.train.losses import (
     LossSpec,
     compute_loss,
