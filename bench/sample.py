@@ -2,7 +2,9 @@
 
 Every side generates the same number of tokens for the same prompts (greedy, no early stop):
 - mixed:            our SampleEngine, ADAPTERS x seqs_per_adapter sequences, adapters mixed in
-                    one continuous batch;
+                    one continuous batch (native CPU LoRA kernels, model/lora_cpu.c);
+- mixed, torch kernels: the same with the LoRA math in torch matmuls (grouped_mm/bmm), the
+                    path taken where no C compiler is available (`native_speedup` reports it);
 - base:             the same sequences with no adapter (slot 0), same engine;
 - peft_generate:    HF `generate` on a PeftModel holding the same adapters (exported from our
                     banks), one `set_adapter` + batched `generate` per adapter;
@@ -46,6 +48,7 @@ import torch
 
 from bench.common import interleaved, report
 from lorafleet.fsio import atomic_write_json
+from lorafleet.model import native
 from lorafleet.model.banks import AdapterSpec
 from lorafleet.model.loader import load_base
 from lorafleet.model.presets import materialize
@@ -320,9 +323,15 @@ def main() -> None:
 
     outputs: dict[str, list[list[int]]] = {}
 
-    def ours(requests, name):
+    adapted = stack.sampler.adapted
+
+    def ours(requests, name, kernel="auto"):
         def run():
-            results = stack.sampler.generate(requests)
+            adapted.set_kernel(kernel)
+            try:
+                results = stack.sampler.generate(requests)
+            finally:
+                adapted.set_kernel("auto")
             outputs[name] = [r.sequences[0].tokens for r in results]
 
         return run
@@ -362,6 +371,7 @@ def main() -> None:
         f"mixed ({ADAPTERS} adapters, {count} seqs)": ours(mixed_requests, "mixed"),
         f"base only ({count} seqs)": ours(base_requests, "base"),
         f"peft_generate ({ADAPTERS} x set_adapter)": peft_generate,
+        f"mixed, torch kernels ({count} seqs)": ours(mixed_requests, "mixed_torch", "grouped"),
     }
     vllm_side: VllmSide | None = None
     server: VllmServer | None = None
@@ -421,18 +431,27 @@ def main() -> None:
         "mixed_over_base": (t_base / t_mixed, ">= 0.85"),
         "speedup_vs_peft_generate": (t_peft / t_mixed, ">= 3"),
     }
+    # Reference, no target: what the native kernels buy over the torch path.
+    t_torch_kernels = timings[names[3]]["min_s"]
+    tok_per_s["mixed_torch_kernels"] = total_tokens / t_torch_kernels
+    same_round["native_speedup"] = same_round_ratio(timed[names[3]], mixed_runs)
     peft_agree = agreement(outputs["mixed"], outputs["peft"])
-    extra: dict[str, object] = {"greedy_agreement_with_peft": peft_agree["sequences"]}
+    extra: dict[str, object] = {
+        "greedy_agreement_with_peft": peft_agree["sequences"],
+        "native_speedup": t_torch_kernels / t_mixed,
+        "lora_kernels": native.status(),
+        "mixed_over_base_torch_kernels": t_base / t_torch_kernels,
+    }
     if vllm_side is not None:
-        t_vllm = timings[names[3]]["min_s"]
+        t_vllm = timings[names[4]]["min_s"]
         tok_per_s["vllm_cpu"] = total_tokens / t_vllm
         ratios["speedup_vs_vllm_cpu"] = (t_vllm / t_mixed, VLLM_TARGET)
-        same_round["speedup_vs_vllm_cpu"] = same_round_ratio(timed[names[3]], mixed_runs)
+        same_round["speedup_vs_vllm_cpu"] = same_round_ratio(timed[names[4]], mixed_runs)
         # Reference, no target: vLLM's own tok/s with the 8 LoRAs over its base-only tok/s.
-        t_vllm_base = timings[names[4]]["min_s"]
+        t_vllm_base = timings[names[5]]["min_s"]
         tok_per_s["vllm_cpu_base"] = total_tokens / t_vllm_base
         extra["vllm_mixed_over_base"] = t_vllm_base / t_vllm
-        same_round["vllm_mixed_over_base"] = same_round_ratio(timed[names[4]], timed[names[3]])
+        same_round["vllm_mixed_over_base"] = same_round_ratio(timed[names[5]], timed[names[4]])
         assert vllm_side.outputs is not None and vllm_side.base_outputs is not None
         vllm_agree = agreement(outputs["mixed"], vllm_side.outputs)
         extra["greedy_agreement_with_vllm"] = vllm_agree["sequences"]
@@ -450,6 +469,10 @@ def main() -> None:
             "peft": peft_agree["tokens"],
             "mixed_with_base": agreement(outputs["mixed"], outputs["base"])["tokens"],
         }
+    # Control: the two kernel paths compute the same math (fp32 rounding apart).
+    extra["greedy_token_agreement"]["torch_kernels_with_native"] = agreement(  # type: ignore[index]
+        outputs["mixed"], outputs["mixed_torch"]
+    )["tokens"]
     result = report(
         f"sample: {PRESET} bf16, {count} seqs x {args.new_tokens} new tokens, rank {args.rank}",
         timings,
@@ -493,6 +516,7 @@ def main() -> None:
             f"vLLM server started in {server.startup_s:.1f} s, "
             f"{ADAPTERS} adapters loaded in {vllm_side.load_s:.2f} s (not in the ratio)"
         )
+    print(f"{native.status()}; native_speedup {extra['native_speedup']:.3f} (mixed, torch kernels / mixed)")
     print(f"load average (1/5/15 min) before {load_before}, after {load_after}")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -3,8 +3,9 @@
 A `BankSet` is one named family of slots (e.g. "train" or "sample") spanning all wrapped layers.
 All of its values live in one flat fp32 tensor `params[slots, P]` (and `grads[slots, P]`): slot
 s's row is every A and B of the adapter in slot s. Each layer's `A[slots, r_max, in]` and
-`B[slots, out, r_max]` are views into it. One row per adapter makes the optimizer one vectorised
-update over selected rows, and checkpoints/sync one contiguous copy.
+`B[slots, out, r_max]` are views into it (a plain linear's B is stored rank-major, see
+`_b_view`). One row per adapter makes the optimizer one vectorised update over selected rows,
+and checkpoints/sync one contiguous copy.
 
 Heterogeneous ranks share a bank: slot s uses the first `rank[s]` rows of A and columns of B.
 The rest start at zero and stay exactly zero (their gradients are zero because the matching
@@ -34,7 +35,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from lorafleet.model.kernels import KernelName, add_deltas, lora_hidden, lora_output
+from lorafleet.model.kernels import KernelName, add_lora_output, lora_hidden
 from lorafleet.model.routing import BASE_SLOT, Routing, RoutingScope
 
 # Bank parameters are row-slices of the flat [slots, P] buffer, so their gradients (views of
@@ -130,6 +131,20 @@ class InputGroup:
         return hidden[:, member * self.r_store : (member + 1) * self.r_store]
 
 
+def _b_view(flat: torch.Tensor, layer: object, r_store: int) -> torch.Tensor:
+    """[slots, out, r_store] view of B values stored in flat [slots, out * r_store] rows.
+
+    A plain linear's B is stored rank-major ([r_store, out] per slot) and viewed transposed:
+    the expand step then reads each rank row of B as one contiguous stream, which on CPU
+    makes decode-sized products ~1.4x faster. An expert bank keeps [E, out / E, r_store]."""
+    slots = flat.shape[0]
+    out = layer.out_features  # type: ignore[attr-defined]
+    experts = layer_experts(layer)
+    if experts != 1:
+        return flat.view(slots, experts, out // experts, r_store)
+    return flat.view(slots, r_store, out).transpose(1, 2)
+
+
 @dataclass
 class LayerBank:
     """One bank set's A/B views for one wrapped layer."""
@@ -194,8 +209,8 @@ class LoRALinear(nn.Module):
             hidden = group.hidden(layer_bank.member, x, flat_x, routing, self.kernel)
         if hidden is None:
             return out
-        delta = lora_output(hidden, layer_bank.B, routing, self.kernel)
-        return add_deltas(out.reshape(-1, self.out_features), delta, routing).view_as(out)
+        flat_out = out.reshape(-1, self.out_features)
+        return add_lora_output(flat_out, hidden, layer_bank.B, routing, self.kernel).view_as(out)
 
     def extra_repr(self) -> str:
         return f"path={self.path!r}, banks={sorted(self._banks)}"
@@ -288,15 +303,13 @@ class BankSet:
             (a0, a1), (b0, b1) = spans[path]
             experts = layer_experts(layer)
             a_shape: tuple[int, ...] = (num_slots, r_store, layer.in_features)
-            b_shape: tuple[int, ...] = (num_slots, layer.out_features, r_store)
             if experts != 1:
                 a_shape = (num_slots, r_store, experts, layer.in_features // experts)
-                b_shape = (num_slots, experts, layer.out_features // experts, r_store)
             A = nn.Parameter(params[:, a0:a1].view(a_shape), requires_grad=trainable)
-            B = nn.Parameter(params[:, b0:b1].view(b_shape), requires_grad=trainable)
+            B = nn.Parameter(_b_view(params[:, b0:b1], layer, r_store), requires_grad=trainable)
             if grads is not None:
                 A.grad = grads[:, a0:a1].view(a_shape)
-                B.grad = grads[:, b0:b1].view(b_shape)
+                B.grad = _b_view(grads[:, b0:b1], layer, r_store)
             layer_bank = LayerBank(A=A, B=B, a_span=(a0, a1), b_span=(b0, b1))
             layer.attach(name, layer_bank)
             layer_banks[path] = layer_bank
@@ -418,7 +431,7 @@ class BankSet:
             layer_bank = self.layer_banks[path]
             (a0, a1), (b0, b1) = layer_bank.a_span, layer_bank.b_span
             A = row[a0:a1].view(r_store, layer.in_features)[:rank]
-            B = row[b0:b1].view(layer.out_features, r_store)[:, :rank]
+            B = _b_view(row[b0:b1].unsqueeze(0), layer, r_store).view(layer.out_features, r_store)[:, :rank]
             out[path] = (A, B)
         return out
 

@@ -59,6 +59,9 @@ class Routing:
     num_active: int = 0
     span_offsets: torch.Tensor | None = None  # int32, offsets[first_active - 1 : last_active]
     uniform_count: int | None = None
+    # (slot, start, end) of each active slot's tokens in `order`, int64 [active slots, 3]:
+    # the plan of the native CPU kernels (kernels.py), which gather and scatter by `order`.
+    segments: torch.Tensor | None = None
 
     def active_slots(self) -> list[int]:
         """Slots that own at least one token in this forward."""
@@ -103,6 +106,11 @@ def build_routing(
     active = [slot for slot, count in enumerate(count_list) if slot > BASE_SLOT and count > 0]
     first, last = (active[0], active[-1]) if active else (1, 0)
     span_counts = set(count_list[first : last + 1])
+    ends = torch.cumsum(counts, dim=0).tolist()
+    segments = torch.tensor(
+        [(slot, ends[slot - 1] - count_list[BASE_SLOT], ends[slot] - count_list[BASE_SLOT]) for slot in active],
+        dtype=torch.int64,
+    ).reshape(-1, 3)
     token_scale = slot_scales.to(torch.float32)[flat[order]].unsqueeze(1)
     return Routing(
         bank=bank,
@@ -118,6 +126,7 @@ def build_routing(
         num_active=int(order.numel()),
         span_offsets=offsets[first - 1 : last],
         uniform_count=span_counts.pop() if len(span_counts) == 1 and active else None,
+        segments=segments,
         slot_ids=flat,
         slot_scales=slot_scales.to(torch.float32).clone(),
     )

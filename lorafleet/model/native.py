@@ -1,0 +1,250 @@
+"""Builds and loads the CPU LoRA kernels of `lora_cpu.c` (used by kernels.py when no autograd
+is needed).
+
+The source is compiled on first use with the system C compiler (`$CC`, else `cc`) for the CPU
+it runs on (`-march=native`), into the private lorafleet cache; the library's name hashes the
+source, the flags, the compiler and the CPU, so a shared home directory never hands one
+machine's build to another. It is loaded with ctypes: no Python headers, no torch extension
+toolchain, and a build takes well under a second.
+
+A machine without a C compiler still runs everything: `status()` says why the kernels are
+off, a warning is logged once, and kernels.py keeps to its torch implementation (same values
+to fp32 rounding). `LORAFLEET_NATIVE_KERNELS=0` turns them off on purpose.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lorafleet.model.presets import cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("lora_cpu.c")
+ABI_VERSION = 1  # lf_abi_version() of the source this module speaks to
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-std=gnu11", "-shared", "-fPIC")
+ENV_SWITCH = "LORAFLEET_NATIVE_KERNELS"
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+_ptr = ctypes.c_void_p
+_i64 = ctypes.c_int64
+_i32 = ctypes.c_int32
+
+
+class NativeKernelError(RuntimeError):
+    """The native kernels were asked for but cannot run here."""
+
+
+@dataclass(frozen=True)
+class NativeKernels:
+    """The loaded library's two entry points (ctypes functions with their signatures set)."""
+
+    path: Path
+    shrink: ctypes._CFuncPtr  # type: ignore[name-defined]
+    expand_add: ctypes._CFuncPtr  # type: ignore[name-defined]
+
+
+def _compiler() -> str | None:
+    name = os.environ.get("CC") or "cc"
+    return shutil.which(name)
+
+
+def _cpu_identity() -> str:
+    """What -march=native depends on: the CPU model and its feature flags."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "flags", "Features", "CPU part") and key not in fields:
+                    fields[key] = value.strip()
+    except OSError:
+        pass
+    return f"{platform.machine()}|{sorted(fields.items())}"
+
+
+def _library_path(compiler: str) -> Path:
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, check=False, timeout=30
+    ).stdout.splitlines()[:1]
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), str(version).encode(), _cpu_identity().encode()):
+        digest.update(part)
+        digest.update(b"\0")
+    directory = cache_dir() / "native"
+    directory.mkdir(mode=0o700, exist_ok=True)
+    return directory / f"lora_cpu-{digest.hexdigest()[:16]}.so"
+
+
+def _build(compiler: str, target: Path) -> None:
+    """Compiles into a temp file beside `target` and renames it in: concurrent builders each
+    publish a complete library, never a half-written one."""
+    fd, tmp_name = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        result = subprocess.run(
+            [compiler, *FLAGS, str(SOURCE), "-o", str(tmp)],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=300,
+        )
+        if result.returncode != 0:
+            raise NativeKernelError(
+                f"{compiler} failed on {SOURCE.name} (exit {result.returncode}): "
+                f"{result.stderr.strip()[-2000:]}"
+            )
+        os.chmod(tmp, 0o700)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _bind(path: Path) -> NativeKernels:
+    lib = ctypes.CDLL(str(path))
+    if lib.lf_abi_version() != ABI_VERSION:
+        raise NativeKernelError(f"{path} speaks ABI {lib.lf_abi_version()}, expected {ABI_VERSION}")
+    shrink = lib.lf_shrink
+    shrink.argtypes = [_ptr, _i32, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr]
+    shrink.restype = ctypes.c_int
+    expand = lib.lf_expand_add
+    expand.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _i32, _i64]
+    expand.restype = ctypes.c_int
+    return NativeKernels(path=path, shrink=shrink, expand_add=expand)
+
+
+@functools.cache
+def _load() -> tuple[NativeKernels | None, str]:
+    switch = os.environ.get(ENV_SWITCH, "1").strip().lower()
+    if switch in ("0", "false", "no", "off"):
+        return None, f"turned off by {ENV_SWITCH}={os.environ[ENV_SWITCH]}"
+    compiler = _compiler()
+    if compiler is None:
+        return None, f"no C compiler ({os.environ.get('CC') or 'cc'}) on PATH"
+    try:
+        path = _library_path(compiler)
+        if not path.exists():
+            _build(compiler, path)
+        kernels = _bind(path)
+        _self_check(kernels)
+    except (NativeKernelError, OSError, subprocess.SubprocessError) as exc:
+        return None, str(exc)
+    return kernels, f"loaded {path}"
+
+
+def kernels() -> NativeKernels | None:
+    """The loaded kernels, or None (the reason is in `status()`, and logged once)."""
+    loaded, reason = _load()
+    if loaded is None:
+        _warn_once(reason)
+    return loaded
+
+
+def available() -> bool:
+    return kernels() is not None
+
+
+def status() -> str:
+    """One line for logs and benchmarks: which LoRA kernels a no-grad CPU forward runs."""
+    loaded, reason = _load()
+    return f"native CPU LoRA kernels: {reason}" if loaded else f"native CPU LoRA kernels off: {reason}"
+
+
+@functools.cache
+def _warn_once(reason: str) -> None:
+    if not reason.startswith("turned off"):
+        log.warning("native CPU LoRA kernels unavailable (%s); using torch matmuls", reason)
+
+
+def require() -> NativeKernels:
+    loaded = kernels()
+    if loaded is None:
+        raise NativeKernelError(status())
+    return loaded
+
+
+# --------------------------------------------------------------------------- calls
+
+
+def shrink(
+    native: NativeKernels,
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    segments: torch.Tensor,
+    A: torch.Tensor,
+    scale: torch.Tensor,
+) -> torch.Tensor:
+    """hidden[t] = scale[t] * A[slot(t)] @ x[rows[t]] as fp32 [len(rows), A.shape[1]].
+
+    x: [tokens, in] fp32/bf16 with unit column stride; A: [slots, R, in] fp32 with each
+    slot's [R, in] contiguous; rows/segments: a routing's order and segments (int64)."""
+    count, R, in_features = rows.shape[0], A.shape[1], A.shape[2]
+    hidden = torch.empty(count, R, dtype=torch.float32)
+    status_code = native.shrink(
+        x.data_ptr(), DTYPE_CODES[x.dtype], x.stride(0), in_features,
+        rows.data_ptr(), segments.data_ptr(), segments.shape[0],
+        A.data_ptr(), A.stride(0), R,
+        scale.data_ptr(), hidden.data_ptr(),
+    )  # fmt: skip
+    if status_code != 0:
+        raise MemoryError(f"native LoRA shrink could not allocate its scratch ({in_features} features)")
+    return hidden
+
+
+def expand_add(
+    native: NativeKernels,
+    hidden: torch.Tensor,
+    B: torch.Tensor,
+    rows: torch.Tensor,
+    segments: torch.Tensor,
+    y: torch.Tensor,
+) -> None:
+    """y[rows[t]] += B[slot(t)] @ hidden[t], rounded into y's dtype as `y.add_(delta.to(y.dtype))`.
+
+    hidden: fp32 [len(rows), R] with unit column stride (a column slice is fine); B: the
+    bank's [slots, out, R] view of rank-major storage (B[s].T contiguous); y: [tokens, out]."""
+    status_code = native.expand_add(
+        hidden.data_ptr(), hidden.stride(0), hidden.shape[1],
+        rows.data_ptr(), segments.data_ptr(), segments.shape[0],
+        B.data_ptr(), B.stride(0), B.stride(2), B.shape[1],
+        y.data_ptr(), DTYPE_CODES[y.dtype], y.stride(0),
+    )  # fmt: skip
+    if status_code != 0:
+        raise MemoryError(f"native LoRA expand could not allocate its scratch ({B.shape[1]} features)")
+
+
+def _self_check(native: NativeKernels) -> None:
+    """A miscompiled or mis-targeted library must not reach a forward: compare one small
+    routed product with torch before first use."""
+    gen = torch.Generator().manual_seed(0)
+    slots, R, in_features, out = 3, 8, 40, 24
+    A = torch.randn(slots, R, in_features, generator=gen)
+    B = torch.randn(slots, R, out, generator=gen).transpose(1, 2)
+    x = torch.randn(5, in_features, generator=gen)
+    rows = torch.tensor([4, 0, 2, 1], dtype=torch.int64)
+    segments = torch.tensor([[1, 0, 1], [2, 1, 4]], dtype=torch.int64)
+    scale = torch.tensor([0.5, 2.0, 2.0, 2.0])
+    slot_of = torch.tensor([1, 2, 2, 2])
+    hidden = shrink(native, x, rows, segments, A, scale)
+    want_hidden = torch.einsum("ti,tri->tr", x[rows], A[slot_of]) * scale[:, None]
+    y = torch.zeros(5, out)
+    expand_add(native, hidden, B, rows, segments, y)
+    want_y = torch.zeros(5, out).index_add_(0, rows, torch.einsum("tr,tor->to", hidden, B[slot_of]))
+    if not (torch.allclose(hidden, want_hidden, atol=1e-4) and torch.allclose(y, want_y, atol=1e-4)):
+        raise NativeKernelError(f"{native.path} failed its self-check against torch")
