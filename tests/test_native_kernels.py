@@ -265,3 +265,12 @@ def test_build_is_private_cached_and_keyed_by_source(monkeypatch, fresh_load):
     native._load.cache_clear()
     rebuilt = native.kernels()
     assert rebuilt is not None and rebuilt.path != library
+
+
+def test_bank_storage_is_zeroed_float32_of_any_size():
+    from lorafleet.model import hugepages
+
+    for shape in ((3, 5), (9, 1 << 20)):  # below and above one huge page
+        tensor = hugepages.zeros(*shape)
+        assert tensor.shape == shape and tensor.dtype == torch.float32
+        assert not tensor.any()

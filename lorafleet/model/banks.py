@@ -35,6 +35,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
+from lorafleet.model import hugepages
 from lorafleet.model.kernels import KernelName, add_lora_output, lora_hidden
 from lorafleet.model.routing import BASE_SLOT, Routing, RoutingScope
 
@@ -296,7 +297,7 @@ class BankSet:
         spans = {path: (a_spans[path], b_spans[path]) for path in layers}
         if device is None:
             device = next(iter(layers.values())).weight.device
-        params = torch.zeros(num_slots, cursor, dtype=torch.float32, device=device)
+        params = hugepages.zeros(num_slots, cursor, device=device)
         grads = torch.zeros_like(params) if trainable else None
         layer_banks: dict[str, LayerBank] = {}
         for path, layer in layers.items():
