@@ -99,6 +99,7 @@ def _native_for(kernel: KernelName, x: torch.Tensor, W: torch.Tensor) -> native.
         return None
     if (
         x.device.type != "cpu"
+        or W.device.type != "cpu"
         or W.dtype != torch.float32
         or x.dtype not in native.DTYPE_CODES
         or x.stride(-1) != 1
@@ -218,6 +219,16 @@ def add_lora_output(
 ) -> torch.Tensor:
     """base_out (flat [tokens, out]) plus B[slot] @ hidden[t] at each routed token's row, in
     place (lora_output + add_deltas, or one native pass when it applies)."""
+    # The native pass indexes memory by the routing: shapes must be those it was built for.
+    if B.shape[0] != routing.num_slots or base_out.shape[0] != routing.num_tokens:
+        raise ValueError(
+            f"routing was built for {routing.num_slots} slots and {routing.num_tokens} tokens, "
+            f"but B has {B.shape[0]} slots and the output {base_out.shape[0]} rows"
+        )
+    if hidden.shape != (routing.num_active, B.shape[2]):
+        raise ValueError(
+            f"hidden has shape {tuple(hidden.shape)}, expected ({routing.num_active}, {B.shape[2]})"
+        )
     fast = _native_for(kernel, hidden, B)
     if (
         fast is not None

@@ -106,10 +106,9 @@ def build_routing(
     active = [slot for slot, count in enumerate(count_list) if slot > BASE_SLOT and count > 0]
     first, last = (active[0], active[-1]) if active else (1, 0)
     span_counts = set(count_list[first : last + 1])
-    ends = torch.cumsum(counts, dim=0).tolist()
+    ends = [int(end) - count_list[BASE_SLOT] for end in torch.cumsum(counts, dim=0).tolist()]
     segments = torch.tensor(
-        [(slot, ends[slot - 1] - count_list[BASE_SLOT], ends[slot] - count_list[BASE_SLOT]) for slot in active],
-        dtype=torch.int64,
+        [(slot, ends[slot - 1], ends[slot]) for slot in active], dtype=torch.int64
     ).reshape(-1, 3)
     token_scale = slot_scales.to(torch.float32)[flat[order]].unsqueeze(1)
     return Routing(
