@@ -89,6 +89,15 @@ static inline v16 widen_bf16(u32x16 h) {
     return f;
 }
 
+/* Where the tile starting at token t0 of segment s points its L2 prefetch, relative to its own
+ * weights: the next slot's, from the segment's first tile only. 0 (re-touching its own lines)
+ * for later tiles and for the last segment. */
+static inline int64_t prefetch_offset(const int64_t *segs, int64_t s, int64_t nseg, int64_t t0,
+                                      int64_t slot_stride) {
+    if (s + 1 >= nseg || t0 != segs[3 * s + 1]) return 0;
+    return (segs[3 * s + 3] - segs[3 * s]) * slot_stride;
+}
+
 int lf_abi_version(void) { return LF_ABI_VERSION; }
 
 /* Per-thread scratch: 0 holds one shrink tile's tokens in fp32, 1 one expand tile's sums. */
@@ -152,12 +161,9 @@ int lf_shrink(const void *x, int32_t x_dtype, int64_t x_stride, int64_t in,
     for (int64_t s = 0; s < nseg; s++) {
         const float *As = A + segs[3 * s] * a_slot_stride;
         const int64_t end = segs[3 * s + 2];
-                /* the next slot's A relative to this one's, prefetched by the first tile only (0:
-         * the last slot, and later tiles, re-touch their own lines) */
-        const int64_t next_slot = (s + 1 < nseg ? (segs[3 * s + 3] - segs[3 * s]) * a_slot_stride : 0);
         for (int64_t t0 = segs[3 * s + 1]; t0 < end; t0 += TILE_ROWS) {
             const int nt = (int)(end - t0 < TILE_ROWS ? end - t0 : TILE_ROWS);
-            const int64_t ahead = t0 == segs[3 * s + 1] ? next_slot : 0;
+            const int64_t ahead = prefetch_offset(segs, s, nseg, t0, a_slot_stride);
             for (int i = 0; i < nt; i++) load_row(xs + i * in_pad, x, x_dtype, rows[t0 + i], x_stride, in);
             switch (nt) {
             case 1: SHRINK_TILE(1) break;
@@ -281,11 +287,9 @@ int lf_expand_add(const float *hidden, int64_t h_stride, int64_t R,
     for (int64_t s = 0; s < nseg; s++) {
         const float *Bs = B + segs[3 * s] * b_slot_stride;
         const int64_t end = segs[3 * s + 2];
-        /* the next slot's B relative to this one's, prefetched by the first tile only */
-        const int64_t next_slot = (s + 1 < nseg ? (segs[3 * s + 3] - segs[3 * s]) * b_slot_stride : 0);
         for (int64_t t0 = segs[3 * s + 1]; t0 < end; t0 += EXPAND_ROWS) {
             const int nt = (int)(end - t0 < EXPAND_ROWS ? end - t0 : EXPAND_ROWS);
-            const int64_t ahead = t0 == segs[3 * s + 1] ? next_slot : 0;
+            const int64_t ahead = prefetch_offset(segs, s, nseg, t0, b_slot_stride);
             expand_tile(hidden, h_stride, R, rows, t0, nt, Bs, ahead, b_rank_stride, out, acc, out_pad,
                         y, y_dtype, y_stride);
         }
