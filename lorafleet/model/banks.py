@@ -132,14 +132,14 @@ class InputGroup:
         return hidden[:, member * self.r_store : (member + 1) * self.r_store]
 
 
-def _b_view(flat: torch.Tensor, layer: object, r_store: int) -> torch.Tensor:
+def _b_view(flat: torch.Tensor, layer: LoRALinear, r_store: int) -> torch.Tensor:
     """[slots, out, r_store] view of B values stored in flat [slots, out * r_store] rows.
 
     A plain linear's B is stored rank-major ([r_store, out] per slot) and viewed transposed:
     the expand step then reads each rank row of B as one contiguous stream, which on CPU
     makes decode-sized products ~1.4x faster. An expert bank keeps [E, out / E, r_store]."""
     slots = flat.shape[0]
-    out = layer.out_features  # type: ignore[attr-defined]
+    out = layer.out_features
     experts = layer_experts(layer)
     if experts != 1:
         return flat.view(slots, experts, out // experts, r_store)
