@@ -193,8 +193,16 @@ class TrainEngine:
             raise TrainInputError(
                 f"{where}: model input token id {bad} at position {position} is outside the vocabulary [0, {self.vocab_size})"
             )
+        # Validated on the CPU (no device syncs per check), then moved once to where the
+        # log-probs will be: compute_loss mixes the two.
         spec = validate_loss(
-            item.loss_fn, item.loss_inputs, item.loss_config, length, self.vocab_size, where=where
+            item.loss_fn,
+            item.loss_inputs,
+            item.loss_config,
+            length,
+            self.vocab_size,
+            where=where,
+            device=self.device,
         )
         return PreparedItem(slot=slot, tokens=tokens.cpu(), loss=spec)
 
