@@ -128,6 +128,38 @@ def test_a_tokens_result_does_not_depend_on_the_batch(nk):
         assert torch.equal(y, alone[1]), batch
 
 
+@needs_compiler
+@pytest.mark.parametrize("slot_ids", [[2, 0, 1], [3, 1, 2, 0, 1, 3, 3, 2, 1, 1, 1, 2, 3, 3, 2]])
+def test_results_do_not_depend_on_the_thread_count(nk, slot_ids):
+    """Few tiles and many threads split each tile's rank rows (shrink) and output columns
+    (expand, 13 blocks of 16 here, the last partial) unevenly: the bits stay those of one
+    thread."""
+    if native._torch_uses_libgomp():
+        assert nk.openmp, "torch runs on libgomp, so the OpenMP build should have been used"
+    gen = torch.Generator().manual_seed(5)
+    in_features, R, out = 100, 12, 200
+    A = torch.randn(4, R, in_features, generator=gen)
+    B = torch.randn(4, R, out, generator=gen).transpose(1, 2)
+    x = torch.randn(len(slot_ids), in_features, generator=gen).to(torch.bfloat16)
+    y0 = torch.randn(len(slot_ids), out, generator=gen).to(torch.bfloat16)
+    routing, _ = _routing(slot_ids, 4)
+    results = {}
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 3, 7):
+            torch.set_num_threads(count)
+            hidden = native.shrink(nk, x, routing.order, routing.segments, A, routing.token_scale)
+            y = y0.clone()
+            native.expand_add(nk, hidden, B, routing.order, routing.segments, y)
+            results[count] = (hidden, y)
+    finally:
+        torch.set_num_threads(threads)
+    for count, (hidden, y) in results.items():
+        assert torch.equal(hidden, results[1][0]), count
+        assert torch.equal(y, results[1][1]), count
+    assert not torch.equal(results[1][1], y0)
+
+
 # --------------------------------------------------------------------------- dispatch
 
 

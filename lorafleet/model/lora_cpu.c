@@ -19,12 +19,22 @@
  * stored rank-major, B[slot][r, j] at B + slot * b_slot_stride + r * b_rank_stride + j.
  * Routed tokens are listed slot by slot: rows[t] is token t's row in x / y, and segment s
  * covers tokens segs[3s+1] .. segs[3s+2]-1, which use slot segs[3s].
+ *
+ * Threads: built with -fopenmp (native.py does so when torch runs on the same libgomp), a call
+ * splits its tiles, and when there are fewer tiles than threads also each tile's rank rows
+ * (shrink) or output columns (expand), over `nthreads` threads of torch's own OpenMP pool.
+ * Every output element is still computed by one thread with the same chain of operations, so
+ * results do not depend on the thread count. At decode the weights of different slots then
+ * stream in on several cores at once; with one thread nothing changes.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
-#define LF_ABI_VERSION 1
+#define LF_ABI_VERSION 2
 #define TILE_ROWS 8  /* shrink: tokens sharing one pass over A */
 #define EXPAND_ROWS 4
 
@@ -100,6 +110,48 @@ static inline int64_t prefetch_offset(const int64_t *segs, int64_t s, int64_t ns
 
 int lf_abi_version(void) { return LF_ABI_VERSION; }
 
+/* 1 when built with OpenMP (calls may use several threads), 0 when serial. */
+int lf_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Tiles of `tile` tokens over all segments. */
+static int64_t count_tiles(const int64_t *segs, int64_t nseg, int64_t tile) {
+    int64_t n = 0;
+    for (int64_t s = 0; s < nseg; s++) n += (segs[3 * s + 2] - segs[3 * s + 1] + tile - 1) / tile;
+    return n;
+}
+
+/* The segment and first token of tile `index` (segments are few: a linear walk). */
+static void tile_at(const int64_t *segs, int64_t nseg, int64_t tile, int64_t index, int64_t *s_out,
+                    int64_t *t0_out) {
+    for (int64_t s = 0; s < nseg; s++) {
+        const int64_t n = (segs[3 * s + 2] - segs[3 * s + 1] + tile - 1) / tile;
+        if (index < n) {
+            *s_out = s;
+            *t0_out = segs[3 * s + 1] + index * tile;
+            return;
+        }
+        index -= n;
+    }
+    *s_out = nseg; /* not reached for index < count_tiles */
+    *t0_out = 0;
+}
+
+/* Into how many parts each tile is split so that `nthreads` threads have about two work items
+ * each; parts never go below `min_part` of `extent` (rank rows or output columns). */
+static int64_t parts_per_tile(int64_t ntiles, int nthreads, int64_t extent, int64_t min_part) {
+    if (nthreads <= 1 || ntiles >= 2 * (int64_t)nthreads) return 1;
+    int64_t parts = (2 * (int64_t)nthreads + ntiles - 1) / ntiles;
+    const int64_t most = extent / min_part;
+    if (parts > most) parts = most;
+    return parts < 1 ? 1 : parts;
+}
+
 /* Per-thread scratch: 0 holds one shrink tile's tokens in fp32, 1 one expand tile's sums. */
 static float *scratch(int which, size_t floats) {
     static __thread float *buf[2] = {NULL, NULL};
@@ -133,7 +185,7 @@ static void load_row(float *dst, const void *x, int32_t x_dtype, int64_t row, in
 /* The dot products of one A row with NT tokens; NT is a constant in each expansion, so the
  * accumulators live in registers. */
 #define SHRINK_TILE(NT)                                                                     \
-    for (int64_t r = 0; r < R; r++) {                                                       \
+    for (int64_t r = r0; r < r1; r++) {                                                     \
         const float *a = As + r * in;                                                       \
         v16 acc[NT];                                                                        \
         for (int i = 0; i < NT; i++) acc[i] = (v16){0};                                     \
@@ -149,35 +201,51 @@ static void load_row(float *dst, const void *x, int32_t x_dtype, int64_t row, in
         }                                                                                   \
     }
 
-/* hidden[t, r] = scale[t] * sum_k x[rows[t], k] * A[slot(t)][r, k]; hidden is [M, R]. */
-int lf_shrink(const void *x, int32_t x_dtype, int64_t x_stride, int64_t in,
-              const int64_t *rows, const int64_t *segs, int64_t nseg,
-              const float *A, int64_t a_slot_stride, int64_t R,
-              const float *scale, float *hidden) {
+/* Rank rows [r0, r1) of one tile of nt tokens starting at t0, whose slot's A is As. */
+static int shrink_tile(const void *x, int32_t x_dtype, int64_t x_stride, int64_t in,
+                       const int64_t *rows, int64_t t0, int nt, const float *As, int64_t ahead,
+                       int64_t R, int64_t r0, int64_t r1, const float *scale, float *hidden) {
     const int64_t in_pad = (in + 15) & ~(int64_t)15;
     const int64_t vec_end = in & ~(int64_t)15;
     float *xs = scratch(0, (size_t)(TILE_ROWS * in_pad));
     if (xs == NULL) return -1;
-    for (int64_t s = 0; s < nseg; s++) {
-        const float *As = A + segs[3 * s] * a_slot_stride;
-        const int64_t end = segs[3 * s + 2];
-        for (int64_t t0 = segs[3 * s + 1]; t0 < end; t0 += TILE_ROWS) {
-            const int nt = (int)(end - t0 < TILE_ROWS ? end - t0 : TILE_ROWS);
-            const int64_t ahead = prefetch_offset(segs, s, nseg, t0, a_slot_stride);
-            for (int i = 0; i < nt; i++) load_row(xs + i * in_pad, x, x_dtype, rows[t0 + i], x_stride, in);
-            switch (nt) {
-            case 1: SHRINK_TILE(1) break;
-            case 2: SHRINK_TILE(2) break;
-            case 3: SHRINK_TILE(3) break;
-            case 4: SHRINK_TILE(4) break;
-            case 5: SHRINK_TILE(5) break;
-            case 6: SHRINK_TILE(6) break;
-            case 7: SHRINK_TILE(7) break;
-            default: SHRINK_TILE(8) break;
-            }
-        }
+    for (int i = 0; i < nt; i++) load_row(xs + i * in_pad, x, x_dtype, rows[t0 + i], x_stride, in);
+    switch (nt) {
+    case 1: SHRINK_TILE(1) break;
+    case 2: SHRINK_TILE(2) break;
+    case 3: SHRINK_TILE(3) break;
+    case 4: SHRINK_TILE(4) break;
+    case 5: SHRINK_TILE(5) break;
+    case 6: SHRINK_TILE(6) break;
+    case 7: SHRINK_TILE(7) break;
+    default: SHRINK_TILE(8) break;
     }
     return 0;
+}
+
+/* hidden[t, r] = scale[t] * sum_k x[rows[t], k] * A[slot(t)][r, k]; hidden is [M, R]. */
+int lf_shrink(const void *x, int32_t x_dtype, int64_t x_stride, int64_t in,
+              const int64_t *rows, const int64_t *segs, int64_t nseg,
+              const float *A, int64_t a_slot_stride, int64_t R,
+              const float *scale, float *hidden, int32_t nthreads) {
+    const int64_t ntiles = count_tiles(segs, nseg, TILE_ROWS);
+    const int64_t parts = parts_per_tile(ntiles, nthreads, R, 4);
+    const int64_t items = ntiles * parts;
+    int failed = 0;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && items > 1) reduction(| : failed)
+#endif
+    for (int64_t w = 0; w < items; w++) {
+        int64_t s, t0;
+        tile_at(segs, nseg, TILE_ROWS, w / parts, &s, &t0);
+        const int64_t part = w % parts;
+        const int64_t end = segs[3 * s + 2];
+        const int nt = (int)(end - t0 < TILE_ROWS ? end - t0 : TILE_ROWS);
+        const int64_t ahead = prefetch_offset(segs, s, nseg, t0, a_slot_stride);
+        failed |= shrink_tile(x, x_dtype, x_stride, in, rows, t0, nt, A + segs[3 * s] * a_slot_stride,
+                              ahead, R, part * R / parts, (part + 1) * R / parts, scale, hidden) != 0;
+    }
+    return failed ? -1 : 0;
 }
 
 /* y[row, j0 .. j0 + n) += delta[0 .. n), rounded as torch rounds out.add_(delta.to(dtype)). */
@@ -214,8 +282,8 @@ static inline void add_out(void *y, int32_t y_dtype, int64_t row, int64_t y_stri
         float h[NT][8];                                                                     \
         for (int i = 0; i < NT; i++)                                                        \
             for (int q = 0; q < 8; q++) h[i][q] = hidden[(t0 + i) * h_stride + r + q];      \
-        int64_t j = 0;                                                                      \
-        for (; j + 16 <= out; j += 16) {                                                    \
+        int64_t j = j0;                                                                     \
+        for (; j + 16 <= j1; j += 16) {                                                     \
             PREFETCH_L2(b0 + ahead + j);                                                    \
             PREFETCH_L2(b1 + ahead + j);                                                    \
             PREFETCH_L2(b2 + ahead + j);                                                    \
@@ -241,7 +309,7 @@ static inline void add_out(void *y, int32_t y_dtype, int64_t row, int64_t y_stri
                 store16(acc + i * out_pad + j, a);                                          \
             }                                                                               \
         }                                                                                   \
-        for (; j < out; j++)                                                                \
+        for (; j < j1; j++)                                                                 \
             for (int i = 0; i < NT; i++) {                                                  \
                 float a = acc[i * out_pad + j];                                             \
                 a += h[i][0] * b0[j];                                                       \
@@ -256,12 +324,14 @@ static inline void add_out(void *y, int32_t y_dtype, int64_t row, int64_t y_stri
             }                                                                               \
     }
 
-/* y[rows[t], j] += sum_r hidden[t, r] * B[slot(t)][r, j], for t in [t0, t0 + nt). */
+/* y[rows[t], j] += sum_r hidden[t, r] * B[slot(t)][r, j], for t in [t0, t0 + nt) and
+ * j in [j0, j1) (j0 a multiple of 16, so each column takes the same vector or scalar path as
+ * in an unsplit call). */
 static void expand_tile(const float *hidden, int64_t h_stride, int64_t R, const int64_t *rows,
                         int64_t t0, int nt, const float *Bs, int64_t ahead, int64_t b_rank_stride,
-                        int64_t out, float *acc, int64_t out_pad, void *y, int32_t y_dtype,
-                        int64_t y_stride) {
-    memset(acc, 0, (size_t)(nt * out_pad) * sizeof(float));
+                        int64_t j0, int64_t j1, float *acc, int64_t out_pad, void *y,
+                        int32_t y_dtype, int64_t y_stride) {
+    for (int i = 0; i < nt; i++) memset(acc + i * out_pad + j0, 0, (size_t)(j1 - j0) * sizeof(float));
     int64_t r = 0;
     switch (nt) {
     case 1: EXPAND_RANKS8(1) break;
@@ -272,27 +342,41 @@ static void expand_tile(const float *hidden, int64_t h_stride, int64_t R, const 
     for (; r < R; r++) /* R not a multiple of 8: the same chain, one rank at a time */
         for (int i = 0; i < nt; i++) {
             const float hv = hidden[(t0 + i) * h_stride + r];
-            for (int64_t j = 0; j < out; j++) acc[i * out_pad + j] += hv * Bs[r * b_rank_stride + j];
+            for (int64_t j = j0; j < j1; j++) acc[i * out_pad + j] += hv * Bs[r * b_rank_stride + j];
         }
-    for (int i = 0; i < nt; i++) add_out(y, y_dtype, rows[t0 + i], y_stride, 0, acc + i * out_pad, out);
+    for (int i = 0; i < nt; i++)
+        add_out(y, y_dtype, rows[t0 + i], y_stride, j0, acc + i * out_pad + j0, j1 - j0);
 }
 
 int lf_expand_add(const float *hidden, int64_t h_stride, int64_t R,
                   const int64_t *rows, const int64_t *segs, int64_t nseg,
                   const float *B, int64_t b_slot_stride, int64_t b_rank_stride, int64_t out,
-                  void *y, int32_t y_dtype, int64_t y_stride) {
+                  void *y, int32_t y_dtype, int64_t y_stride, int32_t nthreads) {
     const int64_t out_pad = (out + 15) & ~(int64_t)15;
-    float *acc = scratch(1, (size_t)(EXPAND_ROWS * out_pad));
-    if (acc == NULL) return -1;
-    for (int64_t s = 0; s < nseg; s++) {
-        const float *Bs = B + segs[3 * s] * b_slot_stride;
-        const int64_t end = segs[3 * s + 2];
-        for (int64_t t0 = segs[3 * s + 1]; t0 < end; t0 += EXPAND_ROWS) {
-            const int nt = (int)(end - t0 < EXPAND_ROWS ? end - t0 : EXPAND_ROWS);
-            const int64_t ahead = prefetch_offset(segs, s, nseg, t0, b_slot_stride);
-            expand_tile(hidden, h_stride, R, rows, t0, nt, Bs, ahead, b_rank_stride, out, acc, out_pad,
-                        y, y_dtype, y_stride);
+    const int64_t ntiles = count_tiles(segs, nseg, EXPAND_ROWS);
+    const int64_t blocks = (out + 15) / 16; /* column parts are whole 16-column blocks */
+    const int64_t parts = parts_per_tile(ntiles, nthreads, blocks, 4);
+    const int64_t items = ntiles * parts;
+    int failed = 0;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && items > 1) reduction(| : failed)
+#endif
+    for (int64_t w = 0; w < items; w++) {
+        float *acc = scratch(1, (size_t)(EXPAND_ROWS * out_pad));
+        if (acc == NULL) {
+            failed = 1;
+            continue;
         }
+        int64_t s, t0;
+        tile_at(segs, nseg, EXPAND_ROWS, w / parts, &s, &t0);
+        const int64_t part = w % parts;
+        const int64_t j0 = 16 * (part * blocks / parts);
+        const int64_t j1 = part + 1 == parts ? out : 16 * ((part + 1) * blocks / parts);
+        const int64_t end = segs[3 * s + 2];
+        const int nt = (int)(end - t0 < EXPAND_ROWS ? end - t0 : EXPAND_ROWS);
+        const int64_t ahead = prefetch_offset(segs, s, nseg, t0, b_slot_stride);
+        expand_tile(hidden, h_stride, R, rows, t0, nt, B + segs[3 * s] * b_slot_stride, ahead,
+                    b_rank_stride, j0, j1, acc, out_pad, y, y_dtype, y_stride);
     }
-    return 0;
+    return failed ? -1 : 0;
 }

@@ -7,6 +7,11 @@ source, the flags, the compiler and the CPU, so a shared home directory never ha
 machine's build to another. It is loaded with ctypes: no Python headers, no torch extension
 toolchain, and a build takes well under a second.
 
+Threads: where torch runs on GNU OpenMP (libgomp, as its Linux wheels do), the library is built
+with -fopenmp and so links the same runtime; each call then spreads its work over
+`torch.get_num_threads()` threads of torch's own pool, never a second pool competing for the
+cores. Elsewhere, or if that build fails, a serial build is used.
+
 A machine without a C compiler still runs everything: `status()` says why the kernels are
 off, a warning is logged once, and kernels.py keeps to its torch implementation (same values
 to fp32 rounding). `LORAFLEET_NATIVE_KERNELS=0` turns them off on purpose.
@@ -33,8 +38,9 @@ from lorafleet.model.presets import cache_dir
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("lora_cpu.c")
-ABI_VERSION = 1  # lf_abi_version() of the source this module speaks to
+ABI_VERSION = 2  # lf_abi_version() of the source this module speaks to
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-std=gnu11", "-shared", "-fPIC")
+OPENMP_FLAGS = ("-fopenmp",)
 ENV_SWITCH = "LORAFLEET_NATIVE_KERNELS"
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -54,6 +60,7 @@ class NativeKernels:
     path: Path
     shrink: ctypes._CFuncPtr  # type: ignore[name-defined]
     expand_add: ctypes._CFuncPtr  # type: ignore[name-defined]
+    openmp: bool  # built with OpenMP: calls use torch.get_num_threads() threads
 
 
 def _compiler() -> str | None:
@@ -76,12 +83,22 @@ def _cpu_identity() -> str:
     return f"{platform.machine()}|{sorted(fields.items())}"
 
 
-def _library_path(compiler: str) -> Path:
+def _torch_uses_libgomp() -> bool:
+    """Whether this process already runs GNU OpenMP (torch's pool): an OpenMP build then binds
+    to that same runtime by its soname, libgomp.so.1."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as f:
+            return any("libgomp" in line for line in f)
+    except OSError:
+        return False
+
+
+def _library_path(compiler: str, flags: tuple[str, ...]) -> Path:
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=False, timeout=30
     ).stdout.splitlines()[:1]
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), str(version).encode(), _cpu_identity().encode()):
+    for part in (SOURCE.read_bytes(), " ".join(flags).encode(), str(version).encode(), _cpu_identity().encode()):
         digest.update(part)
         digest.update(b"\0")
     directory = cache_dir() / "native"
@@ -89,7 +106,7 @@ def _library_path(compiler: str) -> Path:
     return directory / f"lora_cpu-{digest.hexdigest()[:16]}.so"
 
 
-def _build(compiler: str, target: Path) -> None:
+def _build(compiler: str, flags: tuple[str, ...], target: Path) -> None:
     """Compiles into a temp file beside `target` and renames it in: concurrent builders each
     publish a complete library, never a half-written one."""
     fd, tmp_name = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
@@ -97,7 +114,7 @@ def _build(compiler: str, target: Path) -> None:
     tmp = Path(tmp_name)
     try:
         result = subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", str(tmp)],
+            [compiler, *flags, str(SOURCE), "-o", str(tmp)],
             capture_output=True,
             text=True,
             check=False,
@@ -121,12 +138,12 @@ def _bind(path: Path) -> NativeKernels:
     if lib.lf_abi_version() != ABI_VERSION:
         raise NativeKernelError(f"{path} speaks ABI {lib.lf_abi_version()}, expected {ABI_VERSION}")
     shrink = lib.lf_shrink
-    shrink.argtypes = [_ptr, _i32, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr]
+    shrink.argtypes = [_ptr, _i32, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i32]
     shrink.restype = ctypes.c_int
     expand = lib.lf_expand_add
-    expand.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _i32, _i64]
+    expand.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _i32, _i64, _i32]
     expand.restype = ctypes.c_int
-    return NativeKernels(path=path, shrink=shrink, expand_add=expand)
+    return NativeKernels(path=path, shrink=shrink, expand_add=expand, openmp=bool(lib.lf_openmp()))
 
 
 @functools.cache
@@ -137,15 +154,23 @@ def _load() -> tuple[NativeKernels | None, str]:
     compiler = _compiler()
     if compiler is None:
         return None, f"no C compiler ({os.environ.get('CC') or 'cc'}) on PATH"
-    try:
-        path = _library_path(compiler)
-        if not path.exists():
-            _build(compiler, path)
-        kernels = _bind(path)
-        _self_check(kernels)
-    except (NativeKernelError, OSError, subprocess.SubprocessError) as exc:
-        return None, str(exc)
-    return kernels, f"loaded {path}"
+    builds = [("OpenMP", FLAGS + OPENMP_FLAGS)] if _torch_uses_libgomp() else []
+    builds.append(("serial", FLAGS))
+    failures = []
+    for name, flags in builds:
+        try:
+            path = _library_path(compiler, flags)
+            if not path.exists():
+                _build(compiler, flags, path)
+            kernels = _bind(path)
+            _self_check(kernels)
+        except (NativeKernelError, OSError, subprocess.SubprocessError) as exc:
+            failures.append(f"{name} build: {exc}")
+            continue
+        if failures:
+            log.warning("native CPU LoRA kernels: %s; using the %s build", failures[0], name)
+        return kernels, f"loaded {path} ({name})"
+    return None, "; ".join(failures)
 
 
 def kernels() -> NativeKernels | None:
@@ -200,7 +225,7 @@ def shrink(
         x.data_ptr(), DTYPE_CODES[x.dtype], x.stride(0), in_features,
         rows.data_ptr(), segments.data_ptr(), segments.shape[0],
         A.data_ptr(), A.stride(0), R,
-        scale.data_ptr(), hidden.data_ptr(),
+        scale.data_ptr(), hidden.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if status_code != 0:
         raise MemoryError(f"native LoRA shrink could not allocate its scratch ({in_features} features)")
@@ -223,7 +248,7 @@ def expand_add(
         hidden.data_ptr(), hidden.stride(0), hidden.shape[1],
         rows.data_ptr(), segments.data_ptr(), segments.shape[0],
         B.data_ptr(), B.stride(0), B.stride(2), B.shape[1],
-        y.data_ptr(), DTYPE_CODES[y.dtype], y.stride(0),
+        y.data_ptr(), DTYPE_CODES[y.dtype], y.stride(0), torch.get_num_threads(),
     )  # fmt: skip
     if status_code != 0:
         raise MemoryError(f"native LoRA expand could not allocate its scratch ({B.shape[1]} features)")
