@@ -98,8 +98,8 @@ def _native_for(kernel: KernelName, x: torch.Tensor, W: torch.Tensor) -> native.
     if torch.is_grad_enabled() and (x.requires_grad or W.requires_grad):
         return None
     if (
-        x.device.type != "cpu"
-        or W.device.type != "cpu"
+        not x.is_cpu
+        or not W.is_cpu
         or W.dtype != torch.float32
         or x.dtype not in native.DTYPE_CODES
         or x.stride(-1) != 1
@@ -241,6 +241,70 @@ def add_lora_output(
         native.expand_add(fast, hidden, B, routing.order, routing.segments, base_out)
         return base_out
     return add_deltas(base_out, lora_output(hidden, B, routing, kernel), routing)
+
+
+def native_for_layer(
+    kernel: KernelName, x: torch.Tensor, out: torch.Tensor, A: torch.Tensor, B: torch.Tensor
+) -> native.NativeKernels | None:
+    """The native kernels when a whole layer call may run on them, decided once per call (a
+    decode step is mostly per-call overhead): kernel auto/native, no autograd through x or
+    the bank, CPU, an fp32 bank with contiguous [R, in] A slots and rank-major B, and flat
+    fp32/bf16 activations with unit column stride."""
+    if kernel != "auto" and kernel != "native":
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or A.requires_grad or B.requires_grad):
+        return None
+    if (
+        not (x.is_cpu and out.is_cpu and A.is_cpu)
+        or A.dtype != torch.float32
+        or B.dtype != torch.float32
+        or x.dtype not in native.DTYPE_CODES
+        or out.dtype not in native.DTYPE_CODES
+        or x.stride(1) != 1
+        or out.stride(1) != 1
+        or A.stride(2) != 1
+        or A.stride(1) != A.shape[2]
+        or B.stride(1) != 1
+    ):
+        return None
+    return native.require() if kernel == "native" else native.kernels()
+
+
+def add_lora_native(
+    fast: native.NativeKernels,
+    x: torch.Tensor,
+    out: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    routing: Routing,
+    hidden: torch.Tensor | None = None,
+) -> None:
+    """out[row(t)] += B[slot] @ hidden[t] in place for every routed token t, with
+    hidden = scale * A[slot] @ x[row(t)] unless given (an input group's shared projection):
+    lora_hidden + add_lora_output in one or two native calls, for a layer that
+    `native_for_layer` cleared. x: [tokens, in], out: [tokens, out], both flat."""
+    # The kernels index memory by the routing: every shape must be the one it was built for.
+    tokens, slots = routing.num_tokens, routing.num_slots
+    if (
+        x.shape[0] != tokens
+        or out.shape[0] != tokens
+        or A.shape[0] != slots
+        or B.shape[0] != slots
+        or A.shape[2] != x.shape[1]
+        or B.shape[1] != out.shape[1]
+    ):
+        raise ValueError(
+            f"routing was built for {tokens} tokens and {slots} slots, but the layer got x "
+            f"{tuple(x.shape)}, out {tuple(out.shape)}, A {tuple(A.shape)}, B {tuple(B.shape)}"
+        )
+    assert routing.segments is not None
+    if hidden is None:
+        hidden = native.shrink(fast, x, routing.order, routing.segments, A, routing.token_scale)
+    elif hidden.shape[0] != routing.num_active or hidden.shape[1] != B.shape[2]:
+        raise ValueError(
+            f"hidden has shape {tuple(hidden.shape)}, expected ({routing.num_active}, {B.shape[2]})"
+        )
+    native.expand_add(fast, hidden, B, routing.order, routing.segments, out)
 
 
 def lora_delta(
