@@ -36,13 +36,7 @@ import torch
 from torch import nn
 
 from lorafleet.model import hugepages
-from lorafleet.model.kernels import (
-    KernelName,
-    add_lora_native,
-    add_lora_output,
-    lora_hidden,
-    native_for_layer,
-)
+from lorafleet.model.kernels import KernelName, add_lora_output, lora_hidden
 from lorafleet.model.routing import BASE_SLOT, Routing, RoutingScope
 
 # Bank parameters are row-slices of the flat [slots, P] buffer, so their gradients (views of
@@ -213,24 +207,15 @@ class LoRALinear(nn.Module):
             # or every token of the forward is a base-model token.
             return out
         flat_x = x.reshape(-1, self._in_features)
-        # A linear's output is contiguous: deltas added to this flat view land in `out`.
-        flat_out = out.view(-1, self._out_features)
         group = layer_bank.group
-        fast = native_for_layer(self.kernel, flat_x, flat_out, layer_bank.A, layer_bank.B)
-        if fast is not None and group is None:
-            add_lora_native(fast, flat_x, flat_out, layer_bank.A, layer_bank.B, routing)
-            return out
         if group is None:
             hidden = lora_hidden(flat_x, layer_bank.A, routing, self.kernel)
         else:
             hidden = group.hidden(layer_bank.member, x, flat_x, routing, self.kernel)
         if hidden is None:
             return out
-        if fast is not None:
-            add_lora_native(fast, flat_x, flat_out, layer_bank.A, layer_bank.B, routing, hidden)
-        else:
-            add_lora_output(flat_out, hidden, layer_bank.B, routing, self.kernel)
-        return out
+        flat_out = out.reshape(-1, self._out_features)
+        return add_lora_output(flat_out, hidden, layer_bank.B, routing, self.kernel).view_as(out)
 
     def extra_repr(self) -> str:
         return f"path={self.path!r}, banks={sorted(self._banks)}"
