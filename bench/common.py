@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from lorafleet.model.banks import AdapterSpec
+
 
 def parse_args(description: str, **extra: tuple[type, object, str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=description)
@@ -97,3 +99,29 @@ def smollm2_shaped_config(**overrides):
     )
     values.update(overrides)
     return LlamaConfig(**values)
+
+
+def make_prompts(count: int, prompt_len: int, vocab: int) -> list[list[int]]:
+    """Random-token prompts with lengths spread around prompt_len (so rows really sit at
+    different lengths); the same for every side of a benchmark."""
+    gen = torch.Generator().manual_seed(0)
+    lengths = [max(4, prompt_len - 8 + (7 * i) % 17) for i in range(count)]
+    return [torch.randint(100, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def publish_random_adapters(stack, count: int, rank: int) -> tuple[list, list[int]]:
+    """`count` adapters of rank `rank` (alpha 2 * rank) in the trainer of a colocated `stack`,
+    each with a random non-zero B (a fresh LoRA has B = 0 and equals the base), published to
+    its sampler. Returns the version keys and the trainer slots."""
+    keys, slots = [], []
+    for i in range(count):
+        slot = stack.trainer.create_adapter(AdapterSpec(rank=rank, alpha=2.0 * rank, seed=i))
+        gen = torch.Generator().manual_seed(1000 + i)
+        weights = {
+            path: (A, 0.02 * torch.randn(B.shape, generator=gen))
+            for path, (A, B) in stack.trainer.bank.slot_weights(slot).items()
+        }
+        stack.trainer.bank.load_slot_weights(slot, weights)
+        keys.append(stack.versions.publish(f"adapter-{i}", stack.trainer.bank, slot))
+        slots.append(slot)
+    return keys, slots

@@ -27,9 +27,14 @@ from pathlib import Path
 
 import torch
 
-from bench.common import environment, interleaved, report
+from bench.common import (
+    environment,
+    interleaved,
+    make_prompts,
+    publish_random_adapters,
+    report,
+)
 from lorafleet.fsio import atomic_write_json
-from lorafleet.model.banks import AdapterSpec
 from lorafleet.model.targets import resolve_tinker_targets
 from lorafleet.sample import SampleRequest, SamplingParams
 from lorafleet.sample.colocate import Colocated, colocate
@@ -101,24 +106,8 @@ def build_stack(
         r_max=rank,
         max_rows=max_rows,
     )
-    keys, slots = [], []
-    for i in range(ADAPTERS):
-        slot = stack.trainer.create_adapter(AdapterSpec(rank=rank, alpha=2.0 * rank, seed=i))
-        gen = torch.Generator().manual_seed(1000 + i)
-        weights = {
-            p: (A, 0.02 * torch.randn(B.shape, generator=gen))
-            for p, (A, B) in stack.trainer.bank.slot_weights(slot).items()
-        }
-        stack.trainer.bank.load_slot_weights(slot, weights)
-        keys.append(stack.versions.publish(f"adapter-{i}", stack.trainer.bank, slot))
-        slots.append(slot)
+    keys, slots = publish_random_adapters(stack, ADAPTERS, rank)
     return stack, keys, slots
-
-
-def make_prompts(count: int, prompt_len: int, vocab: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(0)
-    lengths = [max(4, prompt_len - 8 + (7 * i) % 17) for i in range(count)]
-    return [torch.randint(100, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
 def synced(fn: Callable[[], object], device: torch.device) -> Callable[[], None]:

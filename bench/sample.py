@@ -46,10 +46,9 @@ from pathlib import Path
 
 import torch
 
-from bench.common import interleaved, report
+from bench.common import interleaved, make_prompts, publish_random_adapters, report
 from lorafleet.fsio import atomic_write_json
 from lorafleet.model import native
-from lorafleet.model.banks import AdapterSpec
 from lorafleet.model.loader import load_base
 from lorafleet.model.presets import materialize
 from lorafleet.model.targets import resolve_tinker_targets
@@ -101,13 +100,6 @@ def parse_cli() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def make_prompts(count: int, prompt_len: int, vocab: int) -> list[list[int]]:
-    """Lengths spread around prompt_len (so rows really sit at different lengths)."""
-    gen = torch.Generator().manual_seed(0)
-    lengths = [max(4, prompt_len - 8 + (7 * i) % 17) for i in range(count)]
-    return [torch.randint(100, vocab, (n,), generator=gen).tolist() for n in lengths]
-
-
 def build_ours(rank: int, max_rows: int) -> tuple[Colocated, list]:
     base = load_base(PRESET, dtype="bfloat16")
     paths = resolve_tinker_targets(base.model, train_unembed=False)
@@ -121,16 +113,7 @@ def build_ours(rank: int, max_rows: int) -> tuple[Colocated, list]:
         r_max=rank,
         max_rows=max_rows,
     )
-    keys = []
-    for i in range(ADAPTERS):
-        slot = stack.trainer.create_adapter(AdapterSpec(rank=rank, alpha=2.0 * rank, seed=i))
-        gen = torch.Generator().manual_seed(1000 + i)
-        weights = {
-            p: (A, 0.02 * torch.randn(B.shape, generator=gen))
-            for p, (A, B) in stack.trainer.bank.slot_weights(slot).items()
-        }
-        stack.trainer.bank.load_slot_weights(slot, weights)
-        keys.append(stack.versions.publish(f"adapter-{i}", stack.trainer.bank, slot))
+    keys, _ = publish_random_adapters(stack, ADAPTERS, rank)
     return stack, keys
 
 
