@@ -219,3 +219,26 @@ def test_topk_cross_entropy_targets_gather_k_logprobs_per_position():
         logp = torch.log_softmax(engine.adapted.model(tokens.unsqueeze(0)).logits[0], -1)
     torch.testing.assert_close(out.items[1].logprobs, logp.gather(-1, topk), atol=1e-5, rtol=1e-5)
     assert out.items[1].metrics["loss:sum"] == pytest.approx(float(-(logp.gather(-1, topk) * weights).sum()), rel=1e-5)
+
+
+def test_forward_scores_the_base_model_on_slot_zero_and_training_it_is_refused():
+    """Slot 0 is the frozen base: `forward` scores it (a weight sync checks an engine's base
+    this way, also through a sharded trainer); gradients for it are a clear error."""
+    engine = make_engine()
+    slot = engine.create_adapter(AdapterSpec(rank=4, alpha=8.0, seed=1))
+    gen = torch.Generator().manual_seed(3)
+    # a non-zero B, so that the adapter differs from the base
+    weights = {p: (A, torch.randn(B.shape, generator=gen)) for p, (A, B) in engine.bank.slot_weights(slot).items()}
+    engine.bank.load_slot_weights(slot, weights)
+    item = sft_item(0, 5)
+    out = engine.forward([item, sft_item(slot, 5)])
+    ids = item.tokens.unsqueeze(0)
+    with engine.adapted.routing("train", torch.zeros_like(ids)), torch.no_grad():
+        logits = engine.adapted.model(input_ids=ids).logits.float()
+    want = torch.log_softmax(logits, -1)[0].gather(-1, item.loss_inputs["target_tokens"].unsqueeze(-1))
+    torch.testing.assert_close(out.items[0].logprobs, want.squeeze(-1), atol=1e-5, rtol=0)
+    assert not torch.allclose(out.items[0].logprobs, out.items[1].logprobs, atol=1e-3)
+    with pytest.raises(TrainInputError, match="slot 0"):
+        engine.forward_backward([item])
+    with pytest.raises(TrainInputError, match="slot 0"):
+        engine.prepare([item])  # the default (what a server uses) never admits the base

@@ -44,6 +44,7 @@ from lorafleet.adapters.checkpoint import (
 )
 from lorafleet.model.adapted import AdaptedModel
 from lorafleet.model.banks import AdapterSpec, SlotInfo
+from lorafleet.model.routing import BASE_SLOT
 from lorafleet.train.engine import (
     BatchOutput,
     ItemOutput,
@@ -268,13 +269,14 @@ class ShardedTrainer:
             "cross_entropy",
             {"target_tokens": torch.zeros(1, dtype=torch.int64), "weights": torch.zeros(1)},
         )
-        return self.engine.prepare([item])[0]
+        return self.engine.prepare([item], allow_base=slot == BASE_SLOT)[0]
 
     def run(self, items: Sequence[PreparedItem], *, backward: bool) -> BatchOutput | None:
         """forward (backward=False) or forward_backward over the whole batch; every rank gets
         the same items and runs its share. Returns the engine's BatchOutput on rank 0."""
         for item in items:
-            self.bank.check_slot(item.slot)
+            if backward or item.slot != BASE_SLOT:  # slot 0 (the base) may be scored, not trained
+                self.bank.check_slot(item.slot)
         items = list(items)
         plan = plan_microbatches([p.length for p in items], self.engine.token_budget)
         slots = sorted({p.slot for p in items})

@@ -23,6 +23,7 @@ import torch
 from lorafleet.adapters.checkpoint import TrainingState, read_training_state, write_training_state
 from lorafleet.adapters.peft_io import export_peft, read_peft
 from lorafleet.model.banks import AdapterSpec, BankError, BankSet, SlotInfo
+from lorafleet.model.routing import BASE_SLOT
 from lorafleet.train.engine import BatchOutput, PreparedItem, TrainEngine, TrainItem
 from lorafleet.train.optim import AdamHParams
 
@@ -183,15 +184,19 @@ class DistTrainEngine:
         self.hparams.pop(slot, None)
 
     # ---------------------------------------------------------------- compute
-    def _prepared(self, items: Sequence[TrainItem] | Sequence[PreparedItem]) -> list[PreparedItem]:
+    def _prepared(
+        self, items: Sequence[TrainItem] | Sequence[PreparedItem], *, allow_base: bool = False
+    ) -> list[PreparedItem]:
         if items and all(isinstance(item, PreparedItem) for item in items):
             for item in items:
-                self.bank.check_slot(item.slot)
+                if not (allow_base and item.slot == BASE_SLOT):
+                    self.bank.check_slot(item.slot)
             return list(items)  # type: ignore[arg-type]
-        return self.prepare(items)
+        return self.prepare(items, allow_base=allow_base)
 
     def forward(self, items: Sequence[TrainItem] | Sequence[PreparedItem]) -> BatchOutput:
-        return self.client.call("forward", items=self._prepared(items))
+        """As TrainEngine.forward: slot 0 scores the base model."""
+        return self.client.call("forward", items=self._prepared(items, allow_base=True))
 
     def forward_backward(self, items: Sequence[TrainItem] | Sequence[PreparedItem]) -> BatchOutput:
         return self.client.call("forward_backward", items=self._prepared(items))

@@ -35,6 +35,7 @@ from typing import Literal
 
 import torch
 
+from lorafleet.model.routing import BASE_SLOT
 from lorafleet.sample.verify import SyncVerificationError, canary_tokens, trainer_canary_logprobs
 from lorafleet.sync.base import (
     BASE,
@@ -90,16 +91,9 @@ def trainer_logprobs(trainer: TrainEngine, slot: int | None, tokens: Sequence[in
     """log p(tokens[i+1] | tokens[:i+1]) for i < len-1 from trainer slot `slot` (None = base).
 
     One forward over all of `tokens` (the last position gets a zero-weight dummy target), so the
-    shapes match an engine's prefill of the same prompt."""
-    seq = torch.tensor(list(tokens), dtype=torch.int64)
-    if slot is None:
-        device = trainer.bank.params.device
-        ids = seq.unsqueeze(0).to(device)
-        with trainer.adapted.routing(trainer.bank.name, torch.zeros_like(ids)):
-            logits = trainer.adapted.model(input_ids=ids).logits
-        logprobs = torch.log_softmax(logits.float(), dim=-1)[0, :-1]
-        return logprobs.gather(-1, seq[1:].to(device).unsqueeze(-1)).squeeze(-1).cpu()
-    return trainer_canary_logprobs(trainer, slot, list(tokens))
+    shapes match an engine's prefill of the same prompt. It goes through `trainer.forward`
+    (slot 0 is the base), so a sharded trainer (DistTrainEngine) is checked the same way."""
+    return trainer_canary_logprobs(trainer, BASE_SLOT if slot is None else slot, list(tokens))
 
 
 def engine_logprobs(

@@ -34,6 +34,7 @@ from lorafleet.adapters.checkpoint import (
 from lorafleet.adapters.peft_io import export_peft, import_peft
 from lorafleet.model.adapted import AdaptedModel
 from lorafleet.model.banks import AdapterSpec, BankSet
+from lorafleet.model.routing import BASE_SLOT
 from lorafleet.train.layout import Layout, Unit, build_layout, find_groups, plan_units, singles
 from lorafleet.train.losses import (
     LossSpec,
@@ -151,20 +152,23 @@ class TrainEngine:
         self.hparams.pop(slot, None)
 
     # ---------------------------------------------------------------- validation
-    def prepare(self, items: Sequence[TrainItem]) -> list[PreparedItem]:
-        """Validates every item before anything runs; raises TrainInputError on the first bad one."""
+    def prepare(self, items: Sequence[TrainItem], *, allow_base: bool = False) -> list[PreparedItem]:
+        """Validates every item before anything runs; raises TrainInputError on the first bad one.
+
+        `allow_base` also accepts slot 0 (BASE_SLOT), the frozen base model: forward-only
+        scoring, e.g. a weight sync checking that an engine runs the trainer's base."""
         if not items:
             raise TrainInputError("no items to run")
-        return [self._prepare_one(i, item) for i, item in enumerate(items)]
+        return [self._prepare_one(i, item, allow_base) for i, item in enumerate(items)]
 
-    def _prepare_one(self, index: int, item: TrainItem) -> PreparedItem:
+    def _prepare_one(self, index: int, item: TrainItem, allow_base: bool = False) -> PreparedItem:
         where = f"datum {index}"
         slot = item.slot
         if (
             not isinstance(slot, int)
             or isinstance(slot, bool)
-            or not 1 <= slot < self.bank.num_slots
-            or self.bank.slots[slot] is None
+            or not (allow_base and slot == BASE_SLOT)
+            and (not 1 <= slot < self.bank.num_slots or self.bank.slots[slot] is None)
         ):
             raise TrainInputError(
                 f"{where}: slot {slot!r} holds no adapter in bank {self.bank.name!r}"
@@ -193,23 +197,15 @@ class TrainEngine:
             raise TrainInputError(
                 f"{where}: model input token id {bad} at position {position} is outside the vocabulary [0, {self.vocab_size})"
             )
-        # Validated on the CPU (no device syncs per check), then moved once to where the
-        # log-probs will be: compute_loss mixes the two.
         spec = validate_loss(
-            item.loss_fn,
-            item.loss_inputs,
-            item.loss_config,
-            length,
-            self.vocab_size,
-            where=where,
-            device=self.device,
+            item.loss_fn, item.loss_inputs, item.loss_config, length, self.vocab_size, where=where
         )
         return PreparedItem(slot=slot, tokens=tokens.cpu(), loss=spec)
 
     # ---------------------------------------------------------------- compute
     def forward(self, items: Sequence[TrainItem] | Sequence[PreparedItem]) -> BatchOutput:
-        """Log-probs and loss metrics without touching gradients."""
-        prepared = self._ensure_prepared(items)
+        """Log-probs and loss metrics without touching gradients; slot 0 scores the base model."""
+        prepared = self._ensure_prepared(items, allow_base=True)
         with torch.no_grad():
             return self._run(prepared, backward=False)
 
@@ -220,12 +216,13 @@ class TrainEngine:
         prepared = self._ensure_prepared(items)
         return self._run(prepared, backward=True)
 
-    def _ensure_prepared(self, items) -> list[PreparedItem]:
+    def _ensure_prepared(self, items, *, allow_base: bool = False) -> list[PreparedItem]:
         if items and all(isinstance(item, PreparedItem) for item in items):
             for item in items:
-                self.bank.check_slot(item.slot)  # still allocated since it was prepared
+                if not (allow_base and item.slot == BASE_SLOT):
+                    self.bank.check_slot(item.slot)  # still allocated since it was prepared
             return list(items)
-        return self.prepare(items)
+        return self.prepare(items, allow_base=allow_base)
 
     def _run(self, prepared: list[PreparedItem], *, backward: bool) -> BatchOutput:
         outputs: dict[int, ItemOutput] = {}
@@ -267,7 +264,10 @@ class TrainEngine:
         self, prepared: list[PreparedItem], units: list[Unit], layout: Layout, *, backward: bool
     ) -> dict[int, ItemOutput]:
         indices = [i for unit in units for i in unit.items]
-        targets = [loss_targets(prepared[i].loss) for i in indices]
+        # Prepared (validated) on the CPU, where a sharded trainer's driver also prepares;
+        # the loss terms are computed where the log-probs are.
+        specs = {i: prepared[i].loss.to(self.device) for i in indices}
+        targets = [loss_targets(specs[i]) for i in indices]
         # One entry per (item, position, target): the hidden row it reads and its target id.
         rows = torch.cat(
             [
@@ -277,7 +277,7 @@ class TrainEngine:
         )
         flat_targets = torch.cat([t.reshape(-1) for t in targets])
         if backward and self.head_grad_where_needed:
-            wanted = torch.cat([gradient_mask(prepared[i].loss).reshape(-1) for i in indices])
+            wanted = torch.cat([gradient_mask(specs[i]).reshape(-1) for i in indices])
             # Backward runs even when no term has a gradient (it adds exact zeros): a sharded
             # rank must join the other ranks' backward collectives.
             wanted[0] = True
@@ -299,7 +299,7 @@ class TrainEngine:
         ):
             item = prepared[index]
             item_logprobs = item_logprobs.reshape(item_targets.shape)
-            loss, metrics = compute_loss(item.loss, item_logprobs)
+            loss, metrics = compute_loss(specs[index], item_logprobs)
             if failure is None and not math.isfinite(metrics["loss:sum"]):
                 failure = TrainInputError(
                     f"loss of a {item.loss.name} datum for slot {item.slot} is {metrics['loss:sum']} "

@@ -126,6 +126,13 @@ class LossSpec:
     inputs: dict[str, torch.Tensor]
     config: dict[str, float]
 
+    def to(self, device: torch.device | str) -> LossSpec:
+        """The same spec with its tensors on `device` (itself when they already are)."""
+        device = torch.device(device)
+        if all(t.device == device for t in self.inputs.values()):
+            return self
+        return LossSpec(self.name, {k: t.to(device) for k, t in self.inputs.items()}, self.config)
+
 
 # --------------------------------------------------------------------------- validation
 

@@ -260,3 +260,21 @@ def test_a_non_finite_loss_on_one_rank_fails_the_batch_on_all(engines):
     out, ref = both(engines, "forward", [sft(slot, 43, 7)])
     torch.testing.assert_close(out.items[0].logprobs, ref.items[0].logprobs, atol=1e-5, rtol=1e-5)
     free(engines, [slot])
+
+
+def test_base_model_scoring_through_the_ranks_matches_one_process(engines):
+    """Slot 0 (the base) scored by `forward` on the ranks, as a weight sync's base check does
+    (`sync.verify.trainer_logprobs(trainer, None, ...)`, which used to need a local model)."""
+    from lorafleet.sync.verify import trainer_logprobs
+
+    sharded, single = engines
+    items = [sft(0, 70, 9), sft(0, 71, 30), sft(0, 72, 5)]  # several micro-batches, rows dealt
+    mine, theirs = both(engines, "forward", items)
+    for a, b in zip(mine.items, theirs.items, strict=True):
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+    tokens = list(range(3, 19))
+    torch.testing.assert_close(
+        trainer_logprobs(sharded, None, tokens), trainer_logprobs(single, None, tokens), atol=1e-5, rtol=0
+    )
+    with pytest.raises(TrainInputError, match="slot 0"):
+        sharded.forward_backward([sft(0, 73, 6)])
