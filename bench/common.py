@@ -125,3 +125,38 @@ def publish_random_adapters(stack, count: int, rank: int) -> tuple[list, list[in
         keys.append(stack.versions.publish(f"adapter-{i}", stack.trainer.bank, slot))
         slots.append(slot)
     return keys, slots
+
+
+def peft_generate_per_adapter(
+    peft_model,
+    prompts: list[list[int]],
+    owner: list[int],
+    new_tokens: int,
+    pad_id: int,
+    device: torch.device | str = "cpu",
+) -> list[list[int]]:
+    """The PEFT baseline: for each adapter `a{k}` in turn, `set_adapter` and one batched,
+    left-padded greedy `generate` over its prompts (owner[i] is prompt i's adapter). Returns
+    exactly `new_tokens` tokens per prompt, in prompt order."""
+    tokens: dict[int, list[int]] = {}
+    for adapter in sorted(set(owner)):
+        rows = [i for i in range(len(prompts)) if owner[i] == adapter]
+        longest = max(len(prompts[i]) for i in rows)
+        ids = torch.full((len(rows), longest), pad_id, dtype=torch.int64)
+        mask = torch.zeros_like(ids)
+        for r, i in enumerate(rows):  # left padding, as generate expects
+            ids[r, longest - len(prompts[i]) :] = torch.tensor(prompts[i])
+            mask[r, longest - len(prompts[i]) :] = 1
+        peft_model.set_adapter(f"a{adapter}")
+        with torch.no_grad():
+            out = peft_model.generate(
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=pad_id,
+            )
+        for r, i in enumerate(rows):
+            tokens[i] = out[r, longest:].tolist()
+    return [tokens[i] for i in range(len(prompts))]

@@ -31,6 +31,7 @@ from bench.common import (
     environment,
     interleaved,
     make_prompts,
+    peft_generate_per_adapter,
     publish_random_adapters,
     report,
 )
@@ -179,28 +180,9 @@ def main() -> None:
         )
 
         def peft_generate() -> None:
-            tokens: dict[int, list[int]] = {}
-            for a in range(ADAPTERS):
-                rows = [i for i in range(count) if owner[i] == a]
-                longest = max(len(prompts[i]) for i in rows)
-                ids = torch.full((len(rows), longest), pad_id, dtype=torch.int64)
-                mask = torch.zeros_like(ids)
-                for r, i in enumerate(rows):
-                    ids[r, longest - len(prompts[i]) :] = torch.tensor(prompts[i])
-                    mask[r, longest - len(prompts[i]) :] = 1
-                peft_model.set_adapter(f"a{a}")
-                with torch.no_grad():
-                    out = peft_model.generate(
-                        input_ids=ids.to(device),
-                        attention_mask=mask.to(device),
-                        max_new_tokens=args.new_tokens,
-                        min_new_tokens=args.new_tokens,
-                        do_sample=False,
-                        pad_token_id=pad_id,
-                    )
-                for r, i in enumerate(rows):
-                    tokens[i] = out[r, longest:].tolist()
-            outputs["peft"] = [tokens[i] for i in range(count)]
+            outputs["peft"] = peft_generate_per_adapter(
+                peft_model, prompts, owner, args.new_tokens, pad_id, device
+            )
 
         sides[f"peft_generate ({ADAPTERS} x set_adapter)"] = peft_generate
 

@@ -46,7 +46,13 @@ from pathlib import Path
 
 import torch
 
-from bench.common import interleaved, make_prompts, publish_random_adapters, report
+from bench.common import (
+    interleaved,
+    make_prompts,
+    peft_generate_per_adapter,
+    publish_random_adapters,
+    report,
+)
 from lorafleet.fsio import atomic_write_json
 from lorafleet.model import native
 from lorafleet.model.loader import load_base
@@ -327,28 +333,9 @@ def main() -> None:
     )
 
     def peft_generate():
-        tokens: dict[int, list[int]] = {}
-        for a in range(ADAPTERS):
-            rows = [i for i in range(count) if owner[i] == a]
-            longest = max(len(prompts[i]) for i in rows)
-            ids = torch.full((len(rows), longest), pad_id, dtype=torch.int64)
-            mask = torch.zeros_like(ids)
-            for r, i in enumerate(rows):  # left padding, as generate expects
-                ids[r, longest - len(prompts[i]) :] = torch.tensor(prompts[i])
-                mask[r, longest - len(prompts[i]) :] = 1
-            peft_model.set_adapter(f"a{a}")
-            with torch.no_grad():
-                out = peft_model.generate(
-                    input_ids=ids,
-                    attention_mask=mask,
-                    max_new_tokens=args.new_tokens,
-                    min_new_tokens=args.new_tokens,
-                    do_sample=False,
-                    pad_token_id=pad_id,
-                )
-            for r, i in enumerate(rows):
-                tokens[i] = out[r, longest:].tolist()
-        outputs["peft"] = [tokens[i] for i in range(count)]
+        outputs["peft"] = peft_generate_per_adapter(
+            peft_model, prompts, owner, args.new_tokens, pad_id
+        )
 
     sides = {
         f"mixed ({ADAPTERS} adapters, {count} seqs)": ours(mixed_requests, "mixed"),
