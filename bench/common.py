@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from lorafleet.fsio import atomic_write_bytes
 from lorafleet.model.banks import AdapterSpec
 
 
@@ -76,7 +77,8 @@ def report(title: str, timings: Mapping[str, Mapping[str, float]], ratios: Mappi
     }
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(result, indent=2))
+        # Atomic (a reader never sees half a result); NaN stays allowed, as before.
+        atomic_write_bytes(json_path, (json.dumps(result, indent=2) + "\n").encode())
         print(f"\nwrote {json_path}")
     return result
 
