@@ -409,13 +409,20 @@ class SampleEngine:
         row_slots: torch.Tensor,
         pick_rows: torch.Tensor,
         pick_pos: torch.Tensor,
+        lengths: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Runs rows `rows` of the pool on `input_ids` [n, q]; fp32 logits of (pick_rows, pick_pos)."""
+        """Runs rows `rows` of the pool on `input_ids` [n, q]; fp32 logits of (pick_rows, pick_pos).
+
+        `lengths` (prefill): each row's real token count; the padding after it is computed
+        with the rest of the block but never read, so it is routed to the base (no LoRA)."""
         n, q = input_ids.shape
         _, mask, positions = self.cache.plan(
             rows, starts, q, dtype=self.dtype, additive=self._additive_mask
         )
         slot_ids = row_slots.unsqueeze(1).expand(n, q)
+        if lengths is not None:
+            padding = torch.arange(q, device=lengths.device).unsqueeze(0) >= lengths.unsqueeze(1)
+            slot_ids = slot_ids.masked_fill(padding, BASE_SLOT)
         try:
             with self.adapted.routing(self.bank.name, slot_ids):
                 hidden = self.decoder(
@@ -464,6 +471,7 @@ class SampleEngine:
             torch.tensor([g.slot for g in groups], dtype=torch.int64, device=device),
             torch.tensor(pick_rows, device=device),
             torch.tensor(pick_pos, device=device),
+            lengths=torch.tensor([g.request.prompt_len for g in groups], device=device),
         )
         logprobs = torch.log_softmax(logits, dim=-1)
         for b, group in enumerate(groups):
