@@ -23,7 +23,6 @@ import torch
 from lorafleet.adapters.checkpoint import TrainingState, read_training_state, write_training_state
 from lorafleet.adapters.peft_io import export_peft, read_peft
 from lorafleet.model.banks import AdapterSpec, BankError, BankSet, SlotInfo
-from lorafleet.model.routing import BASE_SLOT
 from lorafleet.train.engine import BatchOutput, PreparedItem, TrainEngine, TrainItem
 from lorafleet.train.optim import AdamHParams
 
@@ -130,6 +129,7 @@ class DistTrainEngine:
     # Validation is the single-process engine's own code, over the mirrored slot table.
     prepare = TrainEngine.prepare
     _prepare_one = TrainEngine._prepare_one
+    _ensure_prepared = TrainEngine._ensure_prepared
 
     def __init__(self, client: RankClient):
         self.client = client
@@ -184,22 +184,12 @@ class DistTrainEngine:
         self.hparams.pop(slot, None)
 
     # ---------------------------------------------------------------- compute
-    def _prepared(
-        self, items: Sequence[TrainItem] | Sequence[PreparedItem], *, allow_base: bool = False
-    ) -> list[PreparedItem]:
-        if items and all(isinstance(item, PreparedItem) for item in items):
-            for item in items:
-                if not (allow_base and item.slot == BASE_SLOT):
-                    self.bank.check_slot(item.slot)
-            return list(items)  # type: ignore[arg-type]
-        return self.prepare(items, allow_base=allow_base)
-
     def forward(self, items: Sequence[TrainItem] | Sequence[PreparedItem]) -> BatchOutput:
         """As TrainEngine.forward: slot 0 scores the base model."""
-        return self.client.call("forward", items=self._prepared(items, allow_base=True))
+        return self.client.call("forward", items=self._ensure_prepared(items, allow_base=True))
 
     def forward_backward(self, items: Sequence[TrainItem] | Sequence[PreparedItem]) -> BatchOutput:
-        return self.client.call("forward_backward", items=self._prepared(items))
+        return self.client.call("forward_backward", items=self._ensure_prepared(items))
 
     def optim_step(self, hparams: Mapping[int, AdamHParams]) -> dict[int, dict[str, float]]:
         for slot in hparams:

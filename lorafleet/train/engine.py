@@ -167,8 +167,10 @@ class TrainEngine:
         if (
             not isinstance(slot, int)
             or isinstance(slot, bool)
-            or not (allow_base and slot == BASE_SLOT)
-            and (not 1 <= slot < self.bank.num_slots or self.bank.slots[slot] is None)
+            or (
+                not (allow_base and slot == BASE_SLOT)
+                and (not 1 <= slot < self.bank.num_slots or self.bank.slots[slot] is None)
+            )
         ):
             raise TrainInputError(
                 f"{where}: slot {slot!r} holds no adapter in bank {self.bank.name!r}"
