@@ -160,6 +160,60 @@ def test_results_do_not_depend_on_the_thread_count(nk, slot_ids):
     assert not torch.equal(results[1][1], y0)
 
 
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("in_features,R,out", [(40, 8, 24), (100, 12, 200), (576, 16, 1536)])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_lora_add_is_shrink_then_expand_bit_for_bit(nk, dtype, in_features, R, out, threads):
+    """The one-call path a layer takes is the two halves above, not a third implementation."""
+    gen = torch.Generator().manual_seed(in_features * R + out)
+    slot_ids = [2, 0, 3, 2, 2, 0, 2, 2, 2, 2, 1, 3, 1, 2, 2, 2, 2, 2, 2, 2, 2]
+    routing, _ = _routing(slot_ids, 4)
+    A = torch.randn(4, R, in_features, generator=gen)
+    B = torch.randn(4, R, out, generator=gen).transpose(1, 2)
+    # rows of x and y wider than the layer: row strides are passed through, not assumed
+    x = torch.randn(len(slot_ids), in_features + 3, generator=gen).to(dtype)[:, :in_features]
+    y0 = torch.randn(len(slot_ids), out + 5, generator=gen).to(dtype)[:, :out]
+    plan = native.layer_plan(A, B)
+    assert plan is not None
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        want = y0.clone()
+        hidden = native.shrink(nk, x, routing.order, routing.segments, A, routing.token_scale)
+        native.expand_add(nk, hidden, B, routing.order, routing.segments, want)
+        got = y0.clone()
+        native.lora_add(nk, plan, routing.native_plan, x, got)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(got, want)
+    assert not torch.equal(got, y0)
+
+
+def test_layer_plan_only_for_the_layout_the_kernels_read():
+    A = torch.zeros(3, 8, 16)
+    B = torch.zeros(3, 8, 24).transpose(1, 2)  # rank-major, as banks.py stores it
+    plan = native.layer_plan(A, B)
+    assert plan is not None
+    assert (plan.R, plan.in_features, plan.out_features) == (8, 16, 24)
+    assert (plan.a_slot_stride, plan.b_slot_stride, plan.b_rank_stride) == (128, 192, 24)
+    assert native.layer_plan(A, torch.zeros(3, 24, 8)) is None  # out-major B
+    assert native.layer_plan(A.to(torch.bfloat16), B) is None
+    assert native.layer_plan(A.transpose(1, 2).contiguous().transpose(1, 2), B) is None
+    assert native.layer_plan(A[:, :4], B) is None  # ranks of A and B disagree
+
+
+def test_routing_plan_refuses_tensors_the_kernels_cannot_read():
+    routing, _ = _routing([1, 2, 0, 1], 3)
+    plan = routing.native_plan
+    assert plan is routing.native_plan  # built once per forward
+    assert (plan.count, plan.num_segments) == (3, 2)
+    with pytest.raises(native.NativeKernelError, match="order"):
+        native.routing_plan(routing.order.to(torch.int32), routing.segments, routing.token_scale)
+    with pytest.raises(native.NativeKernelError, match="token_scale"):
+        native.routing_plan(routing.order, routing.segments, routing.token_scale.double())
+
+
 # --------------------------------------------------------------------------- dispatch
 
 
@@ -187,30 +241,28 @@ def _set_kernel(adapted: AdaptedModel, kernel: str) -> None:
 
 @needs_compiler
 def test_no_grad_forward_runs_native_and_matches_torch(monkeypatch):
-    adapted, _ = _adapted()
+    """One native call per adapted layer and forward (input groups included), and the same
+    logits as the torch kernels."""
+    adapted, bank = _adapted()
     slot_ids = torch.tensor([[1] * 5, [0] * 5, [2] * 5, [1] * 5])
     input_ids = torch.randint(0, 90, (4, 5), generator=torch.Generator().manual_seed(1))
-    calls = {"shrink": 0, "expand": 0}
-    real_shrink, real_expand = native.shrink, native.expand_add
+    calls: list[native.LayerPlan] = []
+    real_lora_add = native.lora_add
 
-    def counting_shrink(*args):
-        calls["shrink"] += 1
-        return real_shrink(*args)
+    def counting_lora_add(nk, layer, *args):
+        calls.append(layer)
+        return real_lora_add(nk, layer, *args)
 
-    def counting_expand(*args):
-        calls["expand"] += 1
-        return real_expand(*args)
-
-    monkeypatch.setattr(native, "shrink", counting_shrink)
-    monkeypatch.setattr(native, "expand_add", counting_expand)
+    monkeypatch.setattr(native, "lora_add", counting_lora_add)
     with torch.no_grad(), adapted.routing("train", slot_ids):
         fast = adapted.model(input_ids).logits
-    assert calls["shrink"] > 0 and calls["expand"] > 0
+    assert len(calls) == len(bank.layers)
+    assert {id(plan) for plan in calls} == {id(lb.native) for lb in bank.layer_banks.values()}
     _set_kernel(adapted, "loop")
-    before = dict(calls)
+    calls.clear()
     with torch.no_grad(), adapted.routing("train", slot_ids):
         reference = adapted.model(input_ids).logits
-    assert calls == before  # a torch kernel never runs native
+    assert calls == []  # a torch kernel never runs native
     torch.testing.assert_close(fast, reference, rtol=1e-4, atol=1e-4)
 
 
@@ -224,8 +276,8 @@ def test_training_forward_never_runs_native(monkeypatch):
     def refuse(*args):
         raise AssertionError("native kernel ran under autograd")
 
-    monkeypatch.setattr(native, "shrink", refuse)
-    monkeypatch.setattr(native, "expand_add", refuse)
+    for name in ("shrink", "expand_add", "lora_add"):
+        monkeypatch.setattr(native, name, refuse)
     slot_ids = torch.tensor([[1] * 4, [2] * 4])
     input_ids = torch.randint(0, 90, (2, 4), generator=torch.Generator().manual_seed(2))
     with adapted.routing("train", slot_ids):

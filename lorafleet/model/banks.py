@@ -35,8 +35,8 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from lorafleet.model import hugepages
-from lorafleet.model.kernels import KernelName, add_lora_output, lora_hidden
+from lorafleet.model import hugepages, native
+from lorafleet.model.kernels import KernelName, add_lora_native, add_lora_output, lora_hidden
 from lorafleet.model.routing import BASE_SLOT, Routing, RoutingScope
 
 # Bank parameters are row-slices of the flat [slots, P] buffer, so their gradients (views of
@@ -108,7 +108,8 @@ class InputGroup:
     columns, as long as they really got the same tensor under the same routing (checked by
     identity, so a model that feeds them different inputs just computes each on its own).
     Small decode batches are dominated by per-call overhead, so this saves about a third of
-    the LoRA matmul calls of a transformer layer.
+    the LoRA matmul calls of a transformer layer. (The native CPU path needs no group: it runs
+    a layer's whole LoRA in one call, see kernels.add_lora_native.)
     """
 
     def __init__(self, members: Sequence[str], A: nn.Parameter, r_store: int):
@@ -156,6 +157,7 @@ class LayerBank:
     b_span: tuple[int, int]
     group: InputGroup | None = None  # set when this layer shares its input with siblings
     member: int = 0  # its index in the group
+    native: native.LayerPlan | None = None  # A and B as the native CPU kernels read them
 
 
 class LoRALinear(nn.Module):
@@ -206,7 +208,10 @@ class LoRALinear(nn.Module):
             # This bank set does not target this layer (its adapters leave it as the base),
             # or every token of the forward is a base-model token.
             return out
+        if add_lora_native(out, x, layer_bank.A, layer_bank.native, routing, self.kernel):
+            return out
         flat_x = x.reshape(-1, self._in_features)
+        flat_out = out.reshape(-1, self._out_features)
         group = layer_bank.group
         if group is None:
             hidden = lora_hidden(flat_x, layer_bank.A, routing, self.kernel)
@@ -214,7 +219,6 @@ class LoRALinear(nn.Module):
             hidden = group.hidden(layer_bank.member, x, flat_x, routing, self.kernel)
         if hidden is None:
             return out
-        flat_out = out.reshape(-1, self._out_features)
         return add_lora_output(flat_out, hidden, layer_bank.B, routing, self.kernel).view_as(out)
 
     def extra_repr(self) -> str:
@@ -315,7 +319,8 @@ class BankSet:
             if grads is not None:
                 A.grad = grads[:, a0:a1].view(a_shape)
                 B.grad = _b_view(grads[:, b0:b1], layer, r_store)
-            layer_bank = LayerBank(A=A, B=B, a_span=(a0, a1), b_span=(b0, b1))
+            plan = native.layer_plan(A, B) if experts == 1 else None
+            layer_bank = LayerBank(A=A, B=B, a_span=(a0, a1), b_span=(b0, b1), native=plan)
             layer.attach(name, layer_bank)
             layer_banks[path] = layer_bank
         for members in groups:

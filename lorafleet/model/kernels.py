@@ -15,11 +15,14 @@ The two halves are separate (`lora_hidden`, `lora_output`) because layers fed th
 (q/k/v, gate/up) share one A-projection: their A's sit side by side in the bank, so one call
 projects for all of them (see banks.InputGroup).
 
-A forward that needs no autograd (sampling, scoring) on CPU runs the native kernels of
-`lora_cpu.c` instead (see native.py): they stream each adapter's fp32 A and B about twice as
-fast as MKL's small batched matmuls at decode sizes, and fold the token gather, the bf16
-conversion, the scale and the scatter-add into the same pass. They agree with the torch
-implementations to fp32 rounding, and a token's result never depends on the rest of the batch.
+A forward that needs no autograd (sampling, scoring) on CPU runs each layer's whole LoRA as
+one call to the native kernels of `lora_cpu.c` instead (`add_lora_native`, see native.py):
+they stream each adapter's fp32 A and B about twice as fast as MKL's small batched matmuls at
+decode sizes, and fold the token gather, the bf16 conversion, the scale and the scatter-add
+into the same pass. They agree with the torch implementations to fp32 rounding, and a token's
+result never depends on the rest of the batch. One call per layer matters as much as the
+arithmetic: at decode the Python around two calls per layer (and a shared A-projection per
+input group) cost about as much time as the kernels themselves.
 
 Kernel names: `auto` = native when it applies and is built, else grouped (loop when the
 shapes do not fit grouped_mm); `native` = the same, but a missing native library is an error;
@@ -147,10 +150,6 @@ def lora_hidden(
     _check(x, A, routing)
     if routing.num_active == 0:
         return None
-    fast = _native_for(kernel, x, A)
-    if fast is not None and A.stride(2) == 1 and A.stride(1) == A.shape[2]:
-        assert routing.segments is not None
-        return native.shrink(fast, x, routing.order, routing.segments, A, routing.token_scale)
     xs = _gather(x, routing).to(A.dtype)
     hidden = _segment_matmul(
         xs, A, routing, pick_kernel(kernel, A.dtype, A.shape[2], A.shape[1], A.shape[1])
@@ -218,29 +217,46 @@ def add_lora_output(
     kernel: KernelName = "auto",
 ) -> torch.Tensor:
     """base_out (flat [tokens, out]) plus B[slot] @ hidden[t] at each routed token's row, in
-    place (lora_output + add_deltas, or one native pass when it applies)."""
-    # The native pass indexes memory by the routing: shapes must be those it was built for.
-    if B.shape[0] != routing.num_slots or base_out.shape[0] != routing.num_tokens:
-        raise ValueError(
-            f"routing was built for {routing.num_slots} slots and {routing.num_tokens} tokens, "
-            f"but B has {B.shape[0]} slots and the output {base_out.shape[0]} rows"
-        )
-    if hidden.shape != (routing.num_active, B.shape[2]):
-        raise ValueError(
-            f"hidden has shape {tuple(hidden.shape)}, expected ({routing.num_active}, {B.shape[2]})"
-        )
-    fast = _native_for(kernel, hidden, B)
-    if (
-        fast is not None
-        and B.stride(1) == 1  # rank-major storage (banks.py)
-        and base_out.stride(1) == 1
-        and base_out.dtype in native.DTYPE_CODES
-        and not base_out.requires_grad
-    ):
-        assert routing.segments is not None
-        native.expand_add(fast, hidden, B, routing.order, routing.segments, base_out)
-        return base_out
+    place (lora_output + add_deltas)."""
     return add_deltas(base_out, lora_output(hidden, B, routing, kernel), routing)
+
+
+def add_lora_native(
+    base_out: torch.Tensor,
+    x: torch.Tensor,
+    A: torch.Tensor,
+    plan: native.LayerPlan | None,
+    routing: Routing,
+    kernel: KernelName = "auto",
+) -> bool:
+    """base_out += the whole LoRA of x, in place, in one native call when the native kernels
+    apply (`_native_for`, both tensors contiguous; `plan` is the bank's
+    `native.layer_plan(A, B)`, None when its layout does not fit). Returns False, having done
+    nothing, when they do not.
+
+    x: [..., in] and base_out: [..., out], the layer's input and its base output, from the
+    same forward as `routing`. A decode step runs this for every adapted layer, so whatever is
+    fixed per layer or per forward (pointers, strides, segments) comes pre-packed in the
+    plans, and nothing is reshaped."""
+    if plan is None or base_out.requires_grad or base_out.dtype not in native.DTYPE_CODES:
+        return False
+    fast = _native_for(kernel, x, A)
+    if fast is None or not (x.is_contiguous() and base_out.is_contiguous()):
+        return False
+    # The library indexes memory by the routing: sizes must be those it was built for.
+    tokens = routing.num_tokens
+    if (
+        x.numel() != tokens * plan.in_features
+        or base_out.numel() != tokens * plan.out_features
+        or A.shape[0] != routing.num_slots
+    ):
+        raise ValueError(
+            f"routing was built for {routing.num_slots} slots and {tokens} tokens, but the "
+            f"bank has {A.shape[0]} slots, x is {tuple(x.shape)} and the output "
+            f"{tuple(base_out.shape)} (layer: in {plan.in_features}, out {plan.out_features})"
+        )
+    native.lora_add(fast, plan, routing.native_plan, x, base_out)
+    return True
 
 
 def lora_delta(

@@ -34,7 +34,7 @@
 #include <omp.h>
 #endif
 
-#define LF_ABI_VERSION 2
+#define LF_ABI_VERSION 3
 #define TILE_ROWS 8  /* shrink: tokens sharing one pass over A */
 #define EXPAND_ROWS 4
 
@@ -152,10 +152,11 @@ static int64_t parts_per_tile(int64_t ntiles, int nthreads, int64_t extent, int6
     return parts < 1 ? 1 : parts;
 }
 
-/* Per-thread scratch: 0 holds one shrink tile's tokens in fp32, 1 one expand tile's sums. */
+/* Per-thread scratch: 0 holds one shrink tile's tokens in fp32, 1 one expand tile's sums, 2 the
+ * calling thread's [M, R] hidden of a whole lf_lora_add. */
 static float *scratch(int which, size_t floats) {
-    static __thread float *buf[2] = {NULL, NULL};
-    static __thread size_t cap[2] = {0, 0};
+    static __thread float *buf[3] = {NULL, NULL, NULL};
+    static __thread size_t cap[3] = {0, 0, 0};
     if (floats > cap[which]) {
         float *grown = NULL;
         if (posix_memalign((void **)&grown, 64, floats * sizeof(float)) != 0) return NULL;
@@ -379,4 +380,41 @@ int lf_expand_add(const float *hidden, int64_t h_stride, int64_t R,
                     b_rank_stride, j0, j1, acc, out_pad, y, y_dtype, y_stride);
     }
     return failed ? -1 : 0;
+}
+
+/* One adapted layer's whole LoRA: y[rows[t]] += B[slot(t)] @ (scale[t] * A[slot(t)] @ x[rows[t]]).
+ * A call from Python costs more than the arithmetic of a decode-sized layer, so the layer's
+ * constants and the forward's routing come as two small structs built once (native.py), and
+ * the hidden stays in this thread's scratch instead of a tensor. The results are those of
+ * lf_shrink followed by lf_expand_add, bit for bit. */
+typedef struct {
+    const float *A;        /* [slots][R][in] */
+    int64_t a_slot_stride;
+    int64_t R;
+    int64_t in;
+    const float *B;        /* rank-major: B[slot][r, j] at B + slot * b_slot_stride + r * b_rank_stride + j */
+    int64_t b_slot_stride;
+    int64_t b_rank_stride;
+    int64_t out;
+} lf_layer;
+
+typedef struct {
+    const int64_t *rows;   /* routed token rows, slot by slot */
+    const int64_t *segs;   /* [nseg][3]: slot, first, end */
+    int64_t nseg;
+    const float *scale;    /* per routed token */
+    int64_t count;         /* routed tokens */
+} lf_routing;
+
+int lf_lora_add(const lf_layer *layer, const lf_routing *routing, const void *x, int32_t x_dtype,
+                int64_t x_stride, void *y, int32_t y_dtype, int64_t y_stride, int32_t nthreads) {
+    if (routing->count == 0) return 0;
+    float *hidden = scratch(2, (size_t)(routing->count * layer->R));
+    if (hidden == NULL) return -1;
+    if (lf_shrink(x, x_dtype, x_stride, layer->in, routing->rows, routing->segs, routing->nseg,
+                  layer->A, layer->a_slot_stride, layer->R, routing->scale, hidden, nthreads) != 0)
+        return -1;
+    return lf_expand_add(hidden, layer->R, layer->R, routing->rows, routing->segs, routing->nseg,
+                         layer->B, layer->b_slot_stride, layer->b_rank_stride, layer->out, y,
+                         y_dtype, y_stride, nthreads);
 }

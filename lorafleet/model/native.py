@@ -38,7 +38,7 @@ from lorafleet.model.presets import cache_dir
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("lora_cpu.c")
-ABI_VERSION = 2  # lf_abi_version() of the source this module speaks to
+ABI_VERSION = 3  # lf_abi_version() of the source this module speaks to
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-std=gnu11", "-shared", "-fPIC")
 OPENMP_FLAGS = ("-fopenmp",)
 ENV_SWITCH = "LORAFLEET_NATIVE_KERNELS"
@@ -53,13 +53,45 @@ class NativeKernelError(RuntimeError):
     """The native kernels were asked for but cannot run here."""
 
 
+class LayerPlan(ctypes.Structure):
+    """One adapted layer's bank as `lf_lora_add` reads it (lf_layer in lora_cpu.c): raw
+    pointers into the bank's storage, which never moves, plus its strides and sizes. Built
+    once per layer and bank (`layer_plan`), so a decode step passes one pointer per layer."""
+
+    _fields_ = [
+        ("A", ctypes.c_void_p),
+        ("a_slot_stride", ctypes.c_int64),
+        ("R", ctypes.c_int64),
+        ("in_features", ctypes.c_int64),
+        ("B", ctypes.c_void_p),
+        ("b_slot_stride", ctypes.c_int64),
+        ("b_rank_stride", ctypes.c_int64),
+        ("out_features", ctypes.c_int64),
+    ]
+
+
+class RoutingPlan(ctypes.Structure):
+    """One forward's routing as `lf_lora_add` reads it (lf_routing in lora_cpu.c). It points
+    into the routing's own tensors, so it must live no longer than that routing (see
+    `routing.Routing.native_plan`)."""
+
+    _fields_ = [
+        ("rows", ctypes.c_void_p),
+        ("segments", ctypes.c_void_p),
+        ("num_segments", ctypes.c_int64),
+        ("scale", ctypes.c_void_p),
+        ("count", ctypes.c_int64),
+    ]
+
+
 @dataclass(frozen=True)
 class NativeKernels:
-    """The loaded library's two entry points (ctypes functions with their signatures set)."""
+    """The loaded library's entry points (ctypes functions with their signatures set)."""
 
     path: Path
     shrink: ctypes._CFuncPtr  # type: ignore[name-defined]
     expand_add: ctypes._CFuncPtr  # type: ignore[name-defined]
+    lora_add: ctypes._CFuncPtr  # type: ignore[name-defined]
     openmp: bool  # built with OpenMP: calls use torch.get_num_threads() threads
 
 
@@ -143,7 +175,14 @@ def _bind(path: Path) -> NativeKernels:
     expand = lib.lf_expand_add
     expand.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _i32, _i64, _i32]
     expand.restype = ctypes.c_int
-    return NativeKernels(path=path, shrink=shrink, expand_add=expand, openmp=bool(lib.lf_openmp()))
+    lora_add = lib.lf_lora_add
+    lora_add.argtypes = [
+        ctypes.POINTER(LayerPlan), ctypes.POINTER(RoutingPlan), _ptr, _i32, _i64, _ptr, _i32, _i64, _i32
+    ]
+    lora_add.restype = ctypes.c_int
+    return NativeKernels(
+        path=path, shrink=shrink, expand_add=expand, lora_add=lora_add, openmp=bool(lib.lf_openmp())
+    )
 
 
 @functools.cache
@@ -254,6 +293,51 @@ def expand_add(
         raise MemoryError(f"native LoRA expand could not allocate its scratch ({B.shape[1]} features)")
 
 
+def layer_plan(A: torch.Tensor, B: torch.Tensor) -> LayerPlan | None:
+    """The plan of a bank's A [slots, R, in] and B [slots, out, R] views, or None when they
+    are not laid out as the kernels read them: CPU fp32, each slot's A row-major, B rank-major
+    (banks.py). The plan holds raw pointers: the caller keeps A and B alive with it."""
+    if A.dim() != 3 or B.dim() != 3 or A.shape[0] != B.shape[0] or A.shape[1] != B.shape[2]:
+        return None
+    for W in (A, B):
+        if not W.is_cpu or W.dtype != torch.float32:
+            return None
+    if A.stride(2) != 1 or A.stride(1) != A.shape[2] or B.stride(1) != 1:
+        return None
+    return LayerPlan(
+        A.data_ptr(), A.stride(0), A.shape[1], A.shape[2],
+        B.data_ptr(), B.stride(0), B.stride(2), B.shape[1],
+    )  # fmt: skip
+
+
+def routing_plan(order: torch.Tensor, segments: torch.Tensor, token_scale: torch.Tensor) -> RoutingPlan:
+    """The plan of a routing's `order`, `segments` and `token_scale` (CPU, as build_routing
+    makes them for a CPU bank); the caller keeps the three tensors alive with it."""
+    for name, t, dtype in (("order", order, torch.int64), ("segments", segments, torch.int64), ("token_scale", token_scale, torch.float32)):
+        if not t.is_cpu or t.dtype != dtype or not t.is_contiguous():
+            raise NativeKernelError(f"routing {name} must be a contiguous CPU {dtype} tensor, got {t.dtype} on {t.device}")
+    return RoutingPlan(order.data_ptr(), segments.data_ptr(), segments.shape[0], token_scale.data_ptr(), order.shape[0])
+
+
+def lora_add(
+    native: NativeKernels, layer: LayerPlan, routing: RoutingPlan, x: torch.Tensor, y: torch.Tensor
+) -> None:
+    """y[rows[t]] += B[slot(t)] @ (scale[t] * A[slot(t)] @ x[rows[t]]): `shrink` then
+    `expand_add` in one call, bit for bit, with the hidden in the library's scratch.
+
+    x: [..., in] and y: [..., out], fp32 or bf16, with unit column stride and evenly spaced
+    rows (2-D, or contiguous): row t is at `t * stride(-2)`. Their sizes must be those of the
+    plans (checked by the caller, which built both)."""
+    if not ((x.dim() == 2 or x.is_contiguous()) and (y.dim() == 2 or y.is_contiguous())):
+        raise NativeKernelError(f"x {tuple(x.shape)} and y {tuple(y.shape)} need evenly spaced rows")
+    status_code = native.lora_add(
+        layer, routing, x.data_ptr(), DTYPE_CODES[x.dtype], x.stride(-2),
+        y.data_ptr(), DTYPE_CODES[y.dtype], y.stride(-2), torch.get_num_threads(),
+    )  # fmt: skip
+    if status_code != 0:
+        raise MemoryError(f"native LoRA could not allocate its scratch ({routing.count} tokens)")
+
+
 def _self_check(native: NativeKernels) -> None:
     """A miscompiled or mis-targeted library must not reach a forward: compare one small
     routed product with torch before first use."""
@@ -271,5 +355,11 @@ def _self_check(native: NativeKernels) -> None:
     y = torch.zeros(5, out)
     expand_add(native, hidden, B, rows, segments, y)
     want_y = torch.zeros(5, out).index_add_(0, rows, torch.einsum("tr,tor->to", hidden, B[slot_of]))
+    fused = torch.zeros(5, out)
+    plan = layer_plan(A, B)
+    assert plan is not None
+    lora_add(native, plan, routing_plan(rows, segments, scale), x, fused)
     if not (torch.allclose(hidden, want_hidden, atol=1e-4) and torch.allclose(y, want_y, atol=1e-4)):
         raise NativeKernelError(f"{native.path} failed its self-check against torch")
+    if not torch.equal(fused, y):
+        raise NativeKernelError(f"{native.path}: lf_lora_add differs from lf_shrink + lf_expand_add")

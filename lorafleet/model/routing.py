@@ -8,12 +8,15 @@ active routing raises instead of silently running the base model.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+
+from lorafleet.model import native
 
 BASE_SLOT = 0
 """Slot 0 carries no adapter: its rows see the frozen base model only (reference logprobs)."""
@@ -62,6 +65,14 @@ class Routing:
     # (slot, start, end) of each active slot's tokens in `order`, int64 [active slots, 3]:
     # the plan of the native CPU kernels (kernels.py), which gather and scatter by `order`.
     segments: torch.Tensor | None = None
+
+    @functools.cached_property
+    def native_plan(self) -> native.RoutingPlan:
+        """This routing as the native CPU kernels read it, built on first use and then shared
+        by every layer of the forward (it points into `order`, `segments` and `token_scale`,
+        which this object keeps alive)."""
+        assert self.segments is not None
+        return native.routing_plan(self.order, self.segments, self.token_scale)
 
     def active_slots(self) -> list[int]:
         """Slots that own at least one token in this forward."""
