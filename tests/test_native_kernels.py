@@ -197,6 +197,10 @@ def test_layer_plan_only_for_the_layout_the_kernels_read():
     assert plan is not None
     assert (plan.R, plan.in_features, plan.out_features) == (8, 16, 24)
     assert (plan.a_slot_stride, plan.b_slot_stride, plan.b_rank_stride) == (128, 192, 24)
+    assert plan.b_row_rest == 192  # B's own block unless told what follows it
+    assert native.layer_plan(A, B, row_rest=500).b_row_rest == 500
+    with pytest.raises(ValueError, match="row_rest 100"):
+        native.layer_plan(A, B, row_rest=100)
     assert native.layer_plan(A, torch.zeros(3, 24, 8)) is None  # out-major B
     assert native.layer_plan(A.to(torch.bfloat16), B) is None
     assert native.layer_plan(A.transpose(1, 2).contiguous().transpose(1, 2), B) is None
@@ -257,6 +261,8 @@ def test_no_grad_forward_runs_native_and_matches_torch(monkeypatch):
     with torch.no_grad(), adapted.routing("train", slot_ids):
         fast = adapted.model(input_ids).logits
     assert len(calls) == len(bank.layers)
+    for path, layer_bank in bank.layer_banks.items():  # prefetch reaches the end of the row
+        assert layer_bank.native.b_row_rest == bank.row_size - layer_bank.b_span[0], path
     assert {id(plan) for plan in calls} == {id(lb.native) for lb in bank.layer_banks.values()}
     _set_kernel(adapted, "loop")
     calls.clear()

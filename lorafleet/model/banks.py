@@ -319,7 +319,7 @@ class BankSet:
             if grads is not None:
                 A.grad = grads[:, a0:a1].view(a_shape)
                 B.grad = _b_view(grads[:, b0:b1], layer, r_store)
-            plan = native.layer_plan(A, B) if experts == 1 else None
+            plan = native.layer_plan(A, B, row_rest=cursor - b0) if experts == 1 else None
             layer_bank = LayerBank(A=A, B=B, a_span=(a0, a1), b_span=(b0, b1), native=plan)
             layer.attach(name, layer_bank)
             layer_banks[path] = layer_bank

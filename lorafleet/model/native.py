@@ -38,7 +38,7 @@ from lorafleet.model.presets import cache_dir
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("lora_cpu.c")
-ABI_VERSION = 3  # lf_abi_version() of the source this module speaks to
+ABI_VERSION = 4  # lf_abi_version() of the source this module speaks to
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-std=gnu11", "-shared", "-fPIC")
 OPENMP_FLAGS = ("-fopenmp",)
 ENV_SWITCH = "LORAFLEET_NATIVE_KERNELS"
@@ -67,6 +67,7 @@ class LayerPlan(ctypes.Structure):
         ("b_slot_stride", ctypes.c_int64),
         ("b_rank_stride", ctypes.c_int64),
         ("out_features", ctypes.c_int64),
+        ("b_row_rest", ctypes.c_int64),
     ]
 
 
@@ -170,7 +171,7 @@ def _bind(path: Path) -> NativeKernels:
     if lib.lf_abi_version() != ABI_VERSION:
         raise NativeKernelError(f"{path} speaks ABI {lib.lf_abi_version()}, expected {ABI_VERSION}")
     shrink = lib.lf_shrink
-    shrink.argtypes = [_ptr, _i32, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i32]
+    shrink.argtypes = [_ptr, _i32, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i32]
     shrink.restype = ctypes.c_int
     expand = lib.lf_expand_add
     expand.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _i32, _i64, _i32]
@@ -264,7 +265,7 @@ def shrink(
         x.data_ptr(), DTYPE_CODES[x.dtype], x.stride(0), in_features,
         rows.data_ptr(), segments.data_ptr(), segments.shape[0],
         A.data_ptr(), A.stride(0), R,
-        scale.data_ptr(), hidden.data_ptr(), torch.get_num_threads(),
+        scale.data_ptr(), hidden.data_ptr(), None, 0, torch.get_num_threads(),
     )  # fmt: skip
     if status_code != 0:
         raise MemoryError(f"native LoRA shrink could not allocate its scratch ({in_features} features)")
@@ -293,10 +294,14 @@ def expand_add(
         raise MemoryError(f"native LoRA expand could not allocate its scratch ({B.shape[1]} features)")
 
 
-def layer_plan(A: torch.Tensor, B: torch.Tensor) -> LayerPlan | None:
+def layer_plan(A: torch.Tensor, B: torch.Tensor, row_rest: int | None = None) -> LayerPlan | None:
     """The plan of a bank's A [slots, R, in] and B [slots, out, R] views, or None when they
     are not laid out as the kernels read them: CPU fp32, each slot's A row-major, B rank-major
-    (banks.py). The plan holds raw pointers: the caller keeps A and B alive with it."""
+    (banks.py). The plan holds raw pointers: the caller keeps A and B alive with it.
+
+    `row_rest`: the floats from a slot's B to the end of its bank row (banks.py lays a slot's
+    layers out in model order, so that is what the next layers read first); the call prefetches
+    into it while its last slot's A streams in. None: B's own block only."""
     if A.dim() != 3 or B.dim() != 3 or A.shape[0] != B.shape[0] or A.shape[1] != B.shape[2]:
         return None
     for W in (A, B):
@@ -304,9 +309,14 @@ def layer_plan(A: torch.Tensor, B: torch.Tensor) -> LayerPlan | None:
             return None
     if A.stride(2) != 1 or A.stride(1) != A.shape[2] or B.stride(1) != 1:
         return None
+    b_block = B.shape[2] * B.stride(2)
+    if row_rest is None:
+        row_rest = b_block
+    if row_rest < b_block:
+        raise ValueError(f"row_rest {row_rest} is shorter than B's own block ({b_block} floats)")
     return LayerPlan(
         A.data_ptr(), A.stride(0), A.shape[1], A.shape[2],
-        B.data_ptr(), B.stride(0), B.stride(2), B.shape[1],
+        B.data_ptr(), B.stride(0), B.stride(2), B.shape[1], row_rest,
     )  # fmt: skip
 
 
