@@ -16,8 +16,12 @@
  *   k tail in order, times the token's scale;
  * - expand: the rank sum runs r = 0..R-1 in order; the delta is rounded to the output dtype
  *   and added as torch's `out.add_(delta.to(out.dtype))` does (bf16: round to nearest even);
- * - every multiply-add is fused (vector code by -ffp-contract=fast, scalar tails by explicit
- *   fmaf), and how tokens, rank rows and columns are blocked changes no operation.
+ * - every multiply-add is an explicit fused one (fma16, fmaf) and the library is built with
+ *   -ffp-contract=off, so no other operation is fused: left to the compiler, contraction
+ *   differed between two expansions of the same loop (GCC 13 on a Sapphire Rapids host fused
+ *   the one-token shrink differently from the others), and a token's bits then depended on
+ *   how many tokens shared its slot. How tokens, rank rows and columns are blocked changes no
+ *   operation.
  *
  * Layouts (see banks.py): A[slot] is [R, in] row-major at A + slot * a_slot_stride; B is
  * stored rank-major, B[slot][r, j] at B + slot * b_slot_stride + r * b_rank_stride + j.
@@ -34,6 +38,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__) || defined(__FMA__)
+#include <immintrin.h>
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -55,6 +62,38 @@ typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 
 static inline v16 load16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
+
+static inline v16 splat16(float f) {
+#if defined(__AVX512F__)
+    return (v16)_mm512_set1_ps(f);
+#else
+    return (v16){f, f, f, f, f, f, f, f, f, f, f, f, f, f, f, f};
+#endif
+}
+
+/* a * b + c rounded once, lane by lane: one instruction where the CPU has FMA
+ * (-march=native), the same bits from libm's fmaf where it does not. */
+#if defined(__AVX512F__)
+static inline v16 fma16(v16 a, v16 b, v16 c) {
+    return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+}
+#elif defined(__FMA__)
+static inline v16 fma16(v16 a, v16 b, v16 c) {
+    v8 a2[2], b2[2], c2[2];
+    memcpy(a2, &a, sizeof a2);
+    memcpy(b2, &b, sizeof b2);
+    memcpy(c2, &c, sizeof c2);
+    for (int h = 0; h < 2; h++) c2[h] = (v8)_mm256_fmadd_ps((__m256)a2[h], (__m256)b2[h], (__m256)c2[h]);
+    memcpy(&c, c2, sizeof c);
+    return c;
+}
+#else
+static inline v16 fma16(v16 a, v16 b, v16 c) {
+    v16 r;
+    for (int l = 0; l < 16; l++) r[l] = __builtin_fmaf(a[l], b[l], c[l]);
+    return r;
+}
+#endif
 static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
 
 /* Lanes i and i + 8, then i and i + 4, then (0 + 2) + (1 + 3): a fixed order, in vector
@@ -208,7 +247,7 @@ static void load_row(float *dst, const void *x, int32_t x_dtype, int64_t row, in
             }                                                                               \
             for (int i = 0; i < NT; i++) {                                                  \
                 const v16 xv = load16(xs + i * in_pad + k);                                 \
-                for (int q = 0; q < RB; q++) acc[q][i] += av[q] * xv;                       \
+                for (int q = 0; q < RB; q++) acc[q][i] = fma16(av[q], xv, acc[q][i]);       \
             }                                                                               \
         }                                                                                   \
         for (int q = 0; q < RB; q++)                                                        \
@@ -339,8 +378,8 @@ static inline void add_out16(void *y, int32_t y_dtype, int64_t row, int64_t y_st
                 v[u] = load16(b + 16 * u);                                                  \
             }                                                                               \
             for (int i = 0; i < NT; i++) {                                                  \
-                const float hv = hidden[(t0 + i) * h_stride + r];                           \
-                for (int u = 0; u < NV; u++) acc[i][u] += hv * v[u];                        \
+                const v16 hv16 = splat16(hidden[(t0 + i) * h_stride + r]);                 \
+                for (int u = 0; u < NV; u++) acc[i][u] = fma16(hv16, v[u], acc[i][u]);      \
             }                                                                               \
         }                                                                                   \
         for (int i = 0; i < NT; i++)                                                        \

@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("lora_cpu.c")
 ABI_VERSION = 4  # lf_abi_version() of the source this module speaks to
-FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-std=gnu11", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-std=gnu11", "-shared", "-fPIC")
 OPENMP_FLAGS = ("-fopenmp",)
 ENV_SWITCH = "LORAFLEET_NATIVE_KERNELS"
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
