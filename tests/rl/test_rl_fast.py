@@ -6,6 +6,7 @@ from __future__ import annotations
 import _thread
 import json
 import random
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,7 +124,17 @@ def test_run_writes_metrics_curve_adapters_and_resumes(tmp_path):
     assert resumed["a"].state_path != results["a"].state_path  # a new model, loaded from the state
 
 
-def test_ctrl_c_saves_and_exits_cleanly(tmp_path):
+@pytest.fixture
+def sigint_raises():
+    """Ctrl-C as an interactive shell delivers it. A job started in the background (`cmd &`
+    from a script) inherits SIGINT ignored, Python then leaves it so, and interrupt_main()
+    does nothing."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_saves_and_exits_cleanly(tmp_path, sigint_raises):
     fired = []
 
     def interrupt(name: str, row: dict) -> None:
