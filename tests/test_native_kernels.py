@@ -267,8 +267,8 @@ def test_no_grad_forward_runs_native_and_matches_torch(monkeypatch):
         fast = adapted.model(input_ids).logits
     assert len(calls) == len(bank.layers)
     for path, layer_bank in bank.layer_banks.items():  # prefetch reaches the end of the row
-        assert layer_bank.native.b_row_rest == bank.row_size - layer_bank.b_span[0], path
-    assert {id(plan) for plan in calls} == {id(lb.native) for lb in bank.layer_banks.values()}
+        assert layer_bank.native_plan.b_row_rest == bank.row_size - layer_bank.b_span[0], path
+    assert {id(plan) for plan in calls} == {id(lb.native_plan) for lb in bank.layer_banks.values()}
     _set_kernel(adapted, "loop")
     calls.clear()
     with torch.no_grad(), adapted.routing("train", slot_ids):

@@ -157,7 +157,7 @@ class LayerBank:
     b_span: tuple[int, int]
     group: InputGroup | None = None  # set when this layer shares its input with siblings
     member: int = 0  # its index in the group
-    native: native.LayerPlan | None = None  # A and B as the native CPU kernels read them
+    native_plan: native.LayerPlan | None = None  # A and B as the native CPU kernels read them
 
 
 class LoRALinear(nn.Module):
@@ -208,7 +208,7 @@ class LoRALinear(nn.Module):
             # This bank set does not target this layer (its adapters leave it as the base),
             # or every token of the forward is a base-model token.
             return out
-        if add_lora_native(out, x, layer_bank.A, layer_bank.native, routing, self.kernel):
+        if add_lora_native(out, x, layer_bank.A, layer_bank.native_plan, routing, self.kernel):
             return out
         flat_x = x.reshape(-1, self._in_features)
         flat_out = out.reshape(-1, self._out_features)
@@ -320,7 +320,7 @@ class BankSet:
                 A.grad = grads[:, a0:a1].view(a_shape)
                 B.grad = _b_view(grads[:, b0:b1], layer, r_store)
             plan = native.layer_plan(A, B, row_rest=cursor - b0) if experts == 1 else None
-            layer_bank = LayerBank(A=A, B=B, a_span=(a0, a1), b_span=(b0, b1), native=plan)
+            layer_bank = LayerBank(A=A, B=B, a_span=(a0, a1), b_span=(b0, b1), native_plan=plan)
             layer.attach(name, layer_bank)
             layer_banks[path] = layer_bank
         for members in groups:
