@@ -26,16 +26,22 @@ ROWS_PER_ADAPTER = 2
 
 def build_base(seed: int = 0):
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(smollm2_shaped_config(), dtype=torch.bfloat16, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(
+        smollm2_shaped_config(), dtype=torch.bfloat16, attn_implementation="sdpa"
+    )
     return model.eval().requires_grad_(False)
 
 
 def ce_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
+    return F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"
+    )
 
 
 def main() -> None:
-    args = parse_args(__doc__, seq_len=(int, 128, "tokens per sequence"), rank=(int, 16, "LoRA rank"))
+    args = parse_args(
+        __doc__, seq_len=(int, 128, "tokens per sequence"), rank=(int, 16, "LoRA rank")
+    )
     torch.manual_seed(0)
     rows = ADAPTERS * ROWS_PER_ADAPTER
     input_ids = torch.randint(0, 49152, (rows, args.seq_len))
@@ -45,10 +51,15 @@ def main() -> None:
     paths = resolve_tinker_targets(model)
     adapted = AdaptedModel(model, paths)
     bank = adapted.add_bank("train", num_slots=ADAPTERS + 1, r_max=args.rank)
-    slots = [bank.allocate(AdapterSpec(rank=args.rank, alpha=2.0 * args.rank, seed=i)) for i in range(ADAPTERS)]
+    slots = [
+        bank.allocate(AdapterSpec(rank=args.rank, alpha=2.0 * args.rank, seed=i))
+        for i in range(ADAPTERS)
+    ]
     with torch.no_grad():
         bank.params.normal_(0, 0.01)
-    mixed_ids = bank.slot_ids_for_rows([s for s in slots for _ in range(ROWS_PER_ADAPTER)], args.seq_len)
+    mixed_ids = bank.slot_ids_for_rows(
+        [s for s in slots for _ in range(ROWS_PER_ADAPTER)], args.seq_len
+    )
     single_ids = bank.slot_ids_for_rows([slots[0]] * rows, args.seq_len)
 
     def ours(slot_ids):
@@ -56,17 +67,25 @@ def main() -> None:
             with adapted.routing("train", slot_ids):
                 ce_loss(adapted.model(input_ids).logits, targets).backward()
             bank.grads.zero_()
+
         return run
 
     from peft import LoraConfig, get_peft_model
 
     peft_model = get_peft_model(
         build_base(),
-        LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=list(paths), lora_dropout=0.0),
+        LoraConfig(
+            r=args.rank, lora_alpha=2 * args.rank, target_modules=list(paths), lora_dropout=0.0
+        ),
         adapter_name="a0",
     )
     for i in range(1, ADAPTERS):
-        peft_model.add_adapter(f"a{i}", LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=list(paths), lora_dropout=0.0))
+        peft_model.add_adapter(
+            f"a{i}",
+            LoraConfig(
+                r=args.rank, lora_alpha=2 * args.rank, target_modules=list(paths), lora_dropout=0.0
+            ),
+        )
 
     def peft_sequential():
         for i in range(ADAPTERS):
@@ -76,8 +95,11 @@ def main() -> None:
         peft_model.zero_grad(set_to_none=True)
 
     timings = interleaved(
-        {"mixed (8 adapters, 1 pass)": ours(mixed_ids), "single (1 adapter, 1 pass)": ours(single_ids),
-         "peft_sequential (8 passes)": peft_sequential},
+        {
+            "mixed (8 adapters, 1 pass)": ours(mixed_ids),
+            "single (1 adapter, 1 pass)": ours(single_ids),
+            "peft_sequential (8 passes)": peft_sequential,
+        },
         repeats=args.repeats,
     )
     mixed, single, peft = (timings[k]["min_s"] for k in timings)
@@ -85,9 +107,17 @@ def main() -> None:
         f"banks: fwd+bwd, SmolLM2-135M shapes, bf16, 8 adapters x 2 x {args.seq_len} tokens, "
         f"rank {args.rank}, kernel {adapted.kernel}",
         timings,
-        {"mixed_over_single": (mixed / single, "<= 1.10"), "mixed_over_peft_sequential": (mixed / peft, "<= 0.8")},
+        {
+            "mixed_over_single": (mixed / single, "<= 1.10"),
+            "mixed_over_peft_sequential": (mixed / peft, "<= 0.8"),
+        },
         args.json,
-        extra={"seq_len": args.seq_len, "rank": args.rank, "adapters": ADAPTERS, "rows_per_adapter": ROWS_PER_ADAPTER},
+        extra={
+            "seq_len": args.seq_len,
+            "rank": args.rank,
+            "adapters": ADAPTERS,
+            "rows_per_adapter": ROWS_PER_ADAPTER,
+        },
     )
 
 

@@ -23,13 +23,19 @@ from lorafleet.model.banks import AdapterSpec
 def parse_args(description: str, **extra: tuple[type, object, str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--json", type=Path, default=None, help="write the results here as JSON")
-    parser.add_argument("--repeats", type=int, default=5, help="timed rounds per side (min is reported)")
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="timed rounds per side (min is reported)"
+    )
     for name, (kind, default, help_text) in extra.items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=default, help=help_text)
+        parser.add_argument(
+            f"--{name.replace('_', '-')}", type=kind, default=default, help=help_text
+        )
     return parser.parse_args()
 
 
-def interleaved(sides: Mapping[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, dict[str, float]]:
+def interleaved(
+    sides: Mapping[str, Callable[[], object]], repeats: int, warmup: int = 1
+) -> dict[str, dict[str, float]]:
     """Runs every side once per round, round after round; returns min/median seconds per side."""
     for _ in range(warmup):
         for fn in sides.values():
@@ -43,7 +49,11 @@ def interleaved(sides: Mapping[str, Callable[[], object]], repeats: int, warmup:
     out = {}
     for name, values in times.items():
         ordered = sorted(values)
-        out[name] = {"min_s": ordered[0], "median_s": ordered[len(ordered) // 2], "runs": len(values)}
+        out[name] = {
+            "min_s": ordered[0],
+            "median_s": ordered[len(ordered) // 2],
+            "runs": len(values),
+        }
     return out
 
 
@@ -57,8 +67,13 @@ def environment() -> dict[str, object]:
     }
 
 
-def report(title: str, timings: Mapping[str, Mapping[str, float]], ratios: Mapping[str, tuple[float, str]],
-           json_path: Path | None, extra: Mapping[str, object] | None = None) -> dict[str, object]:
+def report(
+    title: str,
+    timings: Mapping[str, Mapping[str, float]],
+    ratios: Mapping[str, tuple[float, str]],
+    json_path: Path | None,
+    extra: Mapping[str, object] | None = None,
+) -> dict[str, object]:
     """Prints a table of sides and ratios (with their targets) and writes the JSON."""
     print(f"\n{title}")
     print(f"{'side':<34}{'min ms':>12}{'median ms':>12}")

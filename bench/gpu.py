@@ -167,7 +167,7 @@ def main() -> None:
         from peft import PeftModel
     except ImportError as err:
         peft_info["skipped"] = f"peft not importable: {err}"
-        PeftModel = None  # noqa: N806
+        PeftModel = None
     if PeftModel is not None:
         workdir = Path(tempfile.mkdtemp(prefix="lorafleet-bench-gpu-"))
         dirs = [stack.trainer.export_peft(slot, workdir / f"a{i}") for i, slot in enumerate(slots)]

@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lorafleet.train.optim import AdamHParams, BankAdamW  # noqa: E402
+from lorafleet.train.optim import AdamHParams, BankAdamW
 
 
 def _sync(device: torch.device) -> None:

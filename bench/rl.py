@@ -53,11 +53,11 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
-from bench.common import report  # noqa: E402
-from lorafleet.rl.connect import Backend, load_tokenizer, start_backend  # noqa: E402
-from lorafleet.rl.envs import make_env  # noqa: E402
-from lorafleet.rl.loop import RLConfig, TenantConfig, TenantRunner, render_prompt  # noqa: E402
-from lorafleet.rl.report import Progress  # noqa: E402
+from bench.common import report
+from lorafleet.rl.connect import Backend, load_tokenizer, start_backend
+from lorafleet.rl.envs import make_env
+from lorafleet.rl.loop import RLConfig, TenantConfig, TenantRunner, render_prompt
+from lorafleet.rl.report import Progress
 
 REPO = Path(__file__).resolve().parents[1]
 TRL_VERSION = "1.16.0"

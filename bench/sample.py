@@ -486,7 +486,9 @@ def main() -> None:
             f"vLLM server started in {server.startup_s:.1f} s, "
             f"{ADAPTERS} adapters loaded in {vllm_side.load_s:.2f} s (not in the ratio)"
         )
-    print(f"{native.status()}; native_speedup {extra['native_speedup']:.3f} (mixed, torch kernels / mixed)")
+    print(
+        f"{native.status()}; native_speedup {extra['native_speedup']:.3f} (mixed, torch kernels / mixed)"
+    )
     print(f"load average (1/5/15 min) before {load_before}, after {load_after}")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

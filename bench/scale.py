@@ -78,9 +78,9 @@ def _train(engine, slots, seq_len: int, seed: int) -> None:
 
 def bench_gather(args, targets) -> dict:
     from lorafleet.adapters.checkpoint import MOMENTS
-    from lorafleet.dist.launcher import TorchrunRanks
-    from lorafleet.dist.protocol import RankSettings
-    from lorafleet.dist.remote import DistTrainEngine
+    from lorafleet.distributed.launcher import TorchrunRanks
+    from lorafleet.distributed.protocol import RankSettings
+    from lorafleet.distributed.remote import DistTrainEngine
     from lorafleet.model.adapted import AdaptedModel
     from lorafleet.model.banks import AdapterSpec
     from lorafleet.model.loader import load_base
@@ -148,8 +148,8 @@ def rank_gather_worker(args) -> None:
 
     import torch.distributed as dist
 
-    from lorafleet.dist.protocol import RankSettings
-    from lorafleet.dist.trainer_worker import RankWorker
+    from lorafleet.distributed.protocol import RankSettings
+    from lorafleet.distributed.trainer_worker import RankWorker
     from lorafleet.model.banks import AdapterSpec
     from lorafleet.train.optim import AdamHParams
 
@@ -221,9 +221,9 @@ def bench_rank_gather(args) -> dict:
 def bench_ray(args, targets) -> dict:
     import ray
 
-    from lorafleet.dist.protocol import RankSettings
-    from lorafleet.dist.ray_workers import RayRanks, RaySamplerPool, SamplerSettings
-    from lorafleet.dist.remote import DistTrainEngine
+    from lorafleet.distributed.protocol import RankSettings
+    from lorafleet.distributed.ray_workers import RayRanks, RaySamplerPool, SamplerSettings
+    from lorafleet.distributed.remote import DistTrainEngine
     from lorafleet.model.banks import AdapterSpec
 
     env = {k: os.environ[k] for k in ("HF_HUB_OFFLINE", "LORAFLEET_CACHE") if k in os.environ}

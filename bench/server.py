@@ -60,7 +60,9 @@ def client_main(base_url: str, base_model: str, tenants: int) -> None:
     trainers = []
     for i in range(tenants):
         try:
-            made = service.create_lora_training_client(base_model=base_model, rank=RANK, seed=i, train_unembed=False)
+            made = service.create_lora_training_client(
+                base_model=base_model, rank=RANK, seed=i, train_unembed=False
+            )
         except TypeError:
             made = service.create_lora_training_client(base_model=base_model, rank=RANK)
         trainers.append(_resolve(made))
@@ -70,10 +72,12 @@ def client_main(base_url: str, base_model: str, tenants: int) -> None:
         out = []
         for _ in range(ROWS):
             seq = [rng.randrange(10, 500) for _ in range(TOKENS + 1)]
-            out.append(types.Datum(
-                model_input=types.ModelInput.from_ints(seq[:-1]),
-                loss_fn_inputs={"target_tokens": seq[1:], "weights": [1.0] * TOKENS},
-            ))
+            out.append(
+                types.Datum(
+                    model_input=types.ModelInput.from_ints(seq[:-1]),
+                    loss_fn_inputs={"target_tokens": seq[1:], "weights": [1.0] * TOKENS},
+                )
+            )
         return out
 
     data = [batch() for _ in range(tenants)]
@@ -84,7 +88,10 @@ def client_main(base_url: str, base_model: str, tenants: int) -> None:
         fwd.result()
         opt.result()
 
-    samplers = [_resolve(tc.save_weights_and_get_sampling_client(name=f"bench-{i}")) for i, tc in enumerate(trainers)]
+    samplers = [
+        _resolve(tc.save_weights_and_get_sampling_client(name=f"bench-{i}"))
+        for i, tc in enumerate(trainers)
+    ]
     prompt = types.ModelInput.from_ints([rng.randrange(10, 500) for _ in range(16)])
     # Exactly NEW_TOKENS per sample on both sides: SDK >= 0.38 spells "never stop, not even at
     # EOS" as stop=[]; skyrl-tx with SDK 0.16 does not stop at EOS by default.
@@ -93,7 +100,9 @@ def client_main(base_url: str, base_model: str, tenants: int) -> None:
     params = types.SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, seed=1, stop=stop)
 
     def sample(i: int) -> int:
-        response = samplers[i].sample(prompt=prompt, num_samples=SAMPLES, sampling_params=params).result()
+        response = (
+            samplers[i].sample(prompt=prompt, num_samples=SAMPLES, sampling_params=params).result()
+        )
         return sum(len(s.tokens) for s in response.sequences)
 
     pool = ThreadPoolExecutor(tenants)
@@ -178,7 +187,9 @@ def _skyrl_model_dir(model_dir: Path, dest: Path) -> Path:
         if item.name != "config.json":
             (dest / item.name).symlink_to(item)
     config = json.loads((model_dir / "config.json").read_text())
-    config.setdefault("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    config.setdefault(
+        "rope_theta", (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    )
     (dest / "config.json").write_text(json.dumps(config, indent=2))
     return dest
 
@@ -186,15 +197,38 @@ def _skyrl_model_dir(model_dir: Path, dest: Path) -> Path:
 class Side:
     """One server process plus its long-lived client process."""
 
-    def __init__(self, name: str, server_cmd: list[str], client_python: str, env: dict[str, str], port: int, base_model: str, startup_s: float):
+    def __init__(
+        self,
+        name: str,
+        server_cmd: list[str],
+        client_python: str,
+        env: dict[str, str],
+        port: int,
+        base_model: str,
+        startup_s: float,
+    ):
         self.name = name
         url = f"http://127.0.0.1:{port}"
-        self.server = subprocess.Popen(server_cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.server = subprocess.Popen(
+            server_cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         _wait_healthy(url, self.server, startup_s)
         client_env = {**env, "TINKER_TELEMETRY": "0", "TINKER_API_KEY": KEY}
         self.client = subprocess.Popen(
-            [client_python, str(Path(__file__).resolve()), "--client", url, "--base-model", base_model, "--tenants", str(TENANTS)],
-            env=client_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            [
+                client_python,
+                str(Path(__file__).resolve()),
+                "--client",
+                url,
+                "--base-model",
+                base_model,
+                "--tenants",
+                str(TENANTS),
+            ],
+            env=client_env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
         )
         self._read()  # warm-up done
 
@@ -227,12 +261,19 @@ def driver_main() -> None:
     from lorafleet.model.presets import materialize
     from lorafleet.server.main import free_port
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skyrl-venv", type=Path, default=DEFAULT_SKYRL_VENV)
     parser.add_argument("--setup-skyrl", action="store_true", help="create --skyrl-venv first")
-    parser.add_argument("--torch-threads", type=int, default=1, help="lorafleet engine threads (1 is fastest for tiny models on shared CPUs)")
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="lorafleet engine threads (1 is fastest for tiny models on shared CPUs)",
+    )
     args = parser.parse_args()
 
     model_dir = str(materialize("tiny-qwen3"))
@@ -243,12 +284,32 @@ def driver_main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         try:
             port = free_port()
-            sides.append(Side(
-                "lorafleet",
-                [sys.executable, "-m", "lorafleet.cli", "serve", "--base-model", model_dir, "--port", str(port),
-                 "--data-dir", f"{tmp}/lorafleet", "--max-lora-rank", str(RANK), "--torch-threads", str(args.torch_threads)],
-                sys.executable, env, port, model_dir, 120,
-            ))
+            sides.append(
+                Side(
+                    "lorafleet",
+                    [
+                        sys.executable,
+                        "-m",
+                        "lorafleet.cli",
+                        "serve",
+                        "--base-model",
+                        model_dir,
+                        "--port",
+                        str(port),
+                        "--data-dir",
+                        f"{tmp}/lorafleet",
+                        "--max-lora-rank",
+                        str(RANK),
+                        "--torch-threads",
+                        str(args.torch_threads),
+                    ],
+                    sys.executable,
+                    env,
+                    port,
+                    model_dir,
+                    120,
+                )
+            )
             skyrl_python = args.skyrl_venv / "bin" / "python"
             if skyrl_python.exists():
                 shim_dir = Path(tmp) / "shim"
@@ -256,17 +317,45 @@ def driver_main() -> None:
                 _uv_shim(shim_dir, skyrl_python)
                 sky_model = str(_skyrl_model_dir(Path(model_dir), Path(tmp) / "skyrl-model"))
                 port = free_port()
-                sky_env = {**env, "JAX_PLATFORMS": "cpu", "PATH": f"{shim_dir}:{env.get('PATH', '')}"}
+                sky_env = {
+                    **env,
+                    "JAX_PLATFORMS": "cpu",
+                    "PATH": f"{shim_dir}:{env.get('PATH', '')}",
+                }
                 config = json.dumps({"max_lora_adapters": 8, "max_lora_rank": RANK})
-                sides.append(Side(
-                    "skyrl_tx",
-                    [str(skyrl_python), "-m", "tx.tinker.api", "--base-model", sky_model, "--backend", "jax",
-                     "--backend-config", config, "--checkpoints-base", f"{tmp}/skyrl", "--database-url",
-                     f"sqlite:///{tmp}/skyrl.db", "--host", "127.0.0.1", "--port", str(port)],
-                    str(skyrl_python), sky_env, port, sky_model, 300,
-                ))
+                sides.append(
+                    Side(
+                        "skyrl_tx",
+                        [
+                            str(skyrl_python),
+                            "-m",
+                            "tx.tinker.api",
+                            "--base-model",
+                            sky_model,
+                            "--backend",
+                            "jax",
+                            "--backend-config",
+                            config,
+                            "--checkpoints-base",
+                            f"{tmp}/skyrl",
+                            "--database-url",
+                            f"sqlite:///{tmp}/skyrl.db",
+                            "--host",
+                            "127.0.0.1",
+                            "--port",
+                            str(port),
+                        ],
+                        str(skyrl_python),
+                        sky_env,
+                        port,
+                        sky_model,
+                        300,
+                    )
+                )
             else:
-                print(f"no skyrl-tx venv at {args.skyrl_venv} (pass --setup-skyrl): measuring lorafleet only")
+                print(
+                    f"no skyrl-tx venv at {args.skyrl_venv} (pass --setup-skyrl): measuring lorafleet only"
+                )
             results: dict[str, list[dict[str, float]]] = {side.name: [] for side in sides}
             for _ in range(args.repeats):
                 for side in sides:
@@ -280,19 +369,32 @@ def driver_main() -> None:
     for name, rounds in results.items():
         for workload in ("fwdbwd_1", "fwdbwd_all", "sample_all", "loop_all"):
             values = sorted(r[workload] for r in rounds)
-            timings[f"{name}:{workload}"] = {"min_s": values[0], "median_s": values[len(values) // 2], "runs": len(values)}
+            timings[f"{name}:{workload}"] = {
+                "min_s": values[0],
+                "median_s": values[len(values) // 2],
+                "runs": len(values),
+            }
         tokens[name] = rounds[-1]["sample_all_tokens"]
     ratios: dict[str, tuple[float, str]] = {}
     if "skyrl_tx" in results:
         ratios["time_over_skyrl_tx"] = (
-            timings["lorafleet:loop_all"]["min_s"] / timings["skyrl_tx:loop_all"]["min_s"], "<= 0.5"
+            timings["lorafleet:loop_all"]["min_s"] / timings["skyrl_tx:loop_all"]["min_s"],
+            "<= 0.5",
         )
         for workload in ("fwdbwd_1", "fwdbwd_all"):
-            ratio = timings[f"skyrl_tx:{workload}"]["min_s"] / timings[f"lorafleet:{workload}"]["min_s"]
+            ratio = (
+                timings[f"skyrl_tx:{workload}"]["min_s"] / timings[f"lorafleet:{workload}"]["min_s"]
+            )
             ratios[f"speedup_vs_skyrl:{workload}"] = (ratio, ">= 1 (lorafleet faster)")
         # tokens per second, in case one side still stopped some samples early
-        rate = {name: tokens[name] / timings[f"{name}:sample_all"]["min_s"] for name in ("lorafleet", "skyrl_tx")}
-        ratios["speedup_vs_skyrl:sample_all_tok_per_s"] = (rate["lorafleet"] / rate["skyrl_tx"], ">= 1 (lorafleet faster)")
+        rate = {
+            name: tokens[name] / timings[f"{name}:sample_all"]["min_s"]
+            for name in ("lorafleet", "skyrl_tx")
+        }
+        ratios["speedup_vs_skyrl:sample_all_tok_per_s"] = (
+            rate["lorafleet"] / rate["skyrl_tx"],
+            ">= 1 (lorafleet faster)",
+        )
     report(
         f"Tinker API servers, tiny-qwen3, {TENANTS} tenants, rank {RANK}: fwd+bwd {ROWS}x{TOKENS}, sample {SAMPLES}x{NEW_TOKENS}",
         timings,

@@ -34,20 +34,36 @@ def matmul_flops_per_s(size: int = 2048, repeats: int = 5) -> float:
 
 
 def main() -> None:
-    args = parse_args(__doc__, seq_len=(int, 128, "tokens per sequence"), rank=(int, 16, "LoRA rank"))
+    args = parse_args(
+        __doc__, seq_len=(int, 128, "tokens per sequence"), rank=(int, 16, "LoRA rank")
+    )
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(smollm2_shaped_config(), dtype=torch.bfloat16, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(
+        smollm2_shaped_config(), dtype=torch.bfloat16, attn_implementation="sdpa"
+    )
     model.eval().requires_grad_(False)
     base_params = sum(p.numel() for p in model.parameters())
     adapted = AdaptedModel(model, resolve_tinker_targets(model))
     adapted.add_bank("train", num_slots=ADAPTERS + 1, r_max=args.rank)
-    engine = TrainEngine(adapted, base_model_id="smollm2-shaped", token_budget=ADAPTERS * 2 * args.seq_len)
-    slots = [engine.create_adapter(AdapterSpec(rank=args.rank, alpha=2.0 * args.rank, seed=i)) for i in range(ADAPTERS)]
+    engine = TrainEngine(
+        adapted, base_model_id="smollm2-shaped", token_budget=ADAPTERS * 2 * args.seq_len
+    )
+    slots = [
+        engine.create_adapter(AdapterSpec(rank=args.rank, alpha=2.0 * args.rank, seed=i))
+        for i in range(ADAPTERS)
+    ]
     items = []
     for slot in slots:
         for _ in range(2):
             seq = torch.randint(0, 49152, (args.seq_len + 1,))
-            items.append(TrainItem(slot, seq[:-1], "cross_entropy", {"target_tokens": seq[1:], "weights": torch.ones(args.seq_len)}))
+            items.append(
+                TrainItem(
+                    slot,
+                    seq[:-1],
+                    "cross_entropy",
+                    {"target_tokens": seq[1:], "weights": torch.ones(args.seq_len)},
+                )
+            )
     prepared = engine.prepare(items)
     tokens = sum(p.length for p in prepared)
     hparams = {s: AdamHParams(learning_rate=1e-4) for s in slots}
@@ -55,12 +71,17 @@ def main() -> None:
     # torch.optim.AdamW on the same tensors, one optimizer per adapter, per-layer tensors.
     torch_params = []
     for slot in slots:
-        rows = engine.bank.split_row(engine.bank.params[slot], args.rank, engine.bank.slots[slot].targets)
+        rows = engine.bank.split_row(
+            engine.bank.params[slot], args.rank, engine.bank.slots[slot].targets
+        )
         tensors = [torch.nn.Parameter(t.clone()) for pair in rows.values() for t in pair]
         for t in tensors:
             t.grad = torch.randn_like(t) * 1e-3
         torch_params.append(tensors)
-    torch_opts = [torch.optim.AdamW(ps, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0) for ps in torch_params]
+    torch_opts = [
+        torch.optim.AdamW(ps, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
+        for ps in torch_params
+    ]
     with torch.no_grad():
         engine.bank.grads.normal_(0, 1e-3)  # padding rows get noise too: a superset of the work
 
@@ -78,8 +99,10 @@ def main() -> None:
 
     matmul = matmul_flops_per_s()
     timings = interleaved({"forward_backward (8 adapters mixed)": fwd_bwd}, repeats=args.repeats)
-    opt_timings = interleaved({"BankAdamW (8 adapters, 1 call)": bank_step, "torch AdamW (8 optimizers)": torch_steps},
-                              repeats=max(args.repeats, 10))
+    opt_timings = interleaved(
+        {"BankAdamW (8 adapters, 1 call)": bank_step, "torch AdamW (8 optimizers)": torch_steps},
+        repeats=max(args.repeats, 10),
+    )
     timings.update(opt_timings)
     fb = timings["forward_backward (8 adapters mixed)"]["min_s"]
     achieved = 4 * base_params * tokens / fb
@@ -88,11 +111,19 @@ def main() -> None:
     report(
         f"train: SmolLM2-135M shapes, bf16, {ADAPTERS} adapters x 2 x {args.seq_len} tokens, rank {args.rank}",
         timings,
-        {"mfu_vs_matmul": (achieved / matmul, ">= 0.40"), "bankadamw_over_torch_adamw": (bank_s / torch_s, "<= 0.5")},
+        {
+            "mfu_vs_matmul": (achieved / matmul, ">= 0.40"),
+            "bankadamw_over_torch_adamw": (bank_s / torch_s, "<= 0.5"),
+        },
         args.json,
-        extra={"achieved_gflops": achieved / 1e9, "matmul_gflops": matmul / 1e9, "tokens": tokens,
-               "base_params": base_params, "adapter_params_per_slot": engine.bank.row_size,
-               "flop_convention": "4 x base params x tokens"},
+        extra={
+            "achieved_gflops": achieved / 1e9,
+            "matmul_gflops": matmul / 1e9,
+            "tokens": tokens,
+            "base_params": base_params,
+            "adapter_params_per_slot": engine.bank.row_size,
+            "flop_convention": "4 x base params x tokens",
+        },
     )
 
 

@@ -14,7 +14,7 @@ Sides, interleaved A B C D per round, 1 torch thread by default:
 - prefix only: each group's prompt runs once, its KV cache serves the 4 samples;
 - shared + head: both (the engine's default).
 
-All sides compute the same thing; in fp32 they agree to ~1e-5 (tests/test_train_prefix.py). In
+All sides compute the same thing; in fp32 they agree to ~1e-5 (tests/train/test_prefix.py). In
 bf16 the layouts round differently (the max log-prob difference printed at the end is ~0.4):
 against an fp32 run, the plain and shared sides are equally far off (measured on 2 groups: mean
 |d logprob| 0.069 vs 0.068 on sampled tokens, gradient relative error 17% vs 18%).

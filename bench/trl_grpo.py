@@ -109,7 +109,7 @@ def main() -> None:
             self.started = 0.0
             self.chunk: list[dict[str, float]] = []
 
-        def on_train_begin(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201 - HF signature
+        def on_train_begin(self, args, state, control, **kwargs):  # HF signature
             send(
                 {
                     "ready": True,
@@ -127,7 +127,7 @@ def main() -> None:
                 }
             )
 
-        def on_step_begin(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201
+        def on_step_begin(self, args, state, control, **kwargs):
             if self.remaining == 0:
                 line = sys.stdin.readline().strip()
                 if not line or line == "quit":
@@ -138,7 +138,7 @@ def main() -> None:
             profiled.clear()
             self.started = time.perf_counter()
 
-        def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201
+        def on_step_end(self, args, state, control, **kwargs):
             self.chunk.append(
                 {
                     "step_s": time.perf_counter() - self.started,

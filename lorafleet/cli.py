@@ -89,7 +89,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from lorafleet.server.main import serve
     from lorafleet.server.service import ServerConfig
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     engine = EngineConfig(
         base_model=args.base_model,
         dtype=args.dtype,
@@ -119,11 +121,14 @@ def _dist_config(args: argparse.Namespace):
         if args.sampler_replicas != 1:
             raise SystemExit("--sampler-replicas needs --ray")
         return None
-    from lorafleet.dist.stack import DistConfig
+    from lorafleet.distributed.stack import DistConfig
 
     config = DistConfig(
-        trainer_ranks=args.trainer_ranks, ray=args.ray, sampler_replicas=args.sampler_replicas,
-        device=args.trainer_device, torch_threads=args.torch_threads,
+        trainer_ranks=args.trainer_ranks,
+        ray=args.ray,
+        sampler_replicas=args.sampler_replicas,
+        device=args.trainer_device,
+        torch_threads=args.torch_threads,
     )
     try:
         config.validate()
@@ -133,25 +138,59 @@ def _dist_config(args: argparse.Namespace):
 
 
 def _register_serve(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("serve", help="serve the Tinker API (SDK 0.38) for many tenants' adapters")
-    parser.add_argument("--base-model", required=True, help="preset name or local HF model directory")
+    parser = subparsers.add_parser(
+        "serve", help="serve the Tinker API (SDK 0.38) for many tenants' adapters"
+    )
+    parser.add_argument(
+        "--base-model", required=True, help="preset name or local HF model directory"
+    )
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--data-dir", required=True, help="SQLite state and adapter files (created 0700)")
-    parser.add_argument("--api-key-file", default=None, help="file with one tml-... key per line (adds to $LORAFLEET_API_KEYS)")
+    parser.add_argument(
+        "--data-dir", required=True, help="SQLite state and adapter files (created 0700)"
+    )
+    parser.add_argument(
+        "--api-key-file",
+        default=None,
+        help="file with one tml-... key per line (adds to $LORAFLEET_API_KEYS)",
+    )
     parser.add_argument("--dtype", default="float32", help="float32 or bfloat16")
-    parser.add_argument("--max-adapters", type=int, default=8, help="training adapters held at once")
-    parser.add_argument("--sampler-slots", type=int, default=16, help="sampler versions held in memory at once")
+    parser.add_argument(
+        "--max-adapters", type=int, default=8, help="training adapters held at once"
+    )
+    parser.add_argument(
+        "--sampler-slots", type=int, default=16, help="sampler versions held in memory at once"
+    )
     parser.add_argument("--max-lora-rank", type=int, default=32)
     parser.add_argument("--lora-alpha", type=float, default=32.0)
     parser.add_argument("--torch-threads", type=int, default=None)
     parser.add_argument(
-        "--batch-window-ms", type=float, default=5.0, help="wait this long for more requests before each engine round"
+        "--batch-window-ms",
+        type=float,
+        default=5.0,
+        help="wait this long for more requests before each engine round",
     )
-    parser.add_argument("--trainer-ranks", type=int, default=1, help="FSDP2 trainer ranks (torchrun here, or Ray actors with --ray)")
-    parser.add_argument("--ray", default=None, metavar="ADDRESS", help="place trainer ranks and samplers on Ray: an address, 'auto' or 'local'")
-    parser.add_argument("--sampler-replicas", type=int, default=1, help="sampler replica actors (with --ray)")
-    parser.add_argument("--trainer-device", default="cpu", choices=["cpu", "cuda"], help="trainer ranks' device: cpu (gloo) or cuda (NCCL)")
+    parser.add_argument(
+        "--trainer-ranks",
+        type=int,
+        default=1,
+        help="FSDP2 trainer ranks (torchrun here, or Ray actors with --ray)",
+    )
+    parser.add_argument(
+        "--ray",
+        default=None,
+        metavar="ADDRESS",
+        help="place trainer ranks and samplers on Ray: an address, 'auto' or 'local'",
+    )
+    parser.add_argument(
+        "--sampler-replicas", type=int, default=1, help="sampler replica actors (with --ray)"
+    )
+    parser.add_argument(
+        "--trainer-device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="trainer ranks' device: cpu (gloo) or cuda (NCCL)",
+    )
     parser.set_defaults(func=_cmd_serve)
 
 
@@ -183,42 +222,87 @@ def _cmd_rl(args: argparse.Namespace) -> int:
     losses = _cycle(args.loss, n, str, "--loss")
     tenants = [
         TenantConfig(
-            name=f"t{i}-{tasks[i].replace(':', '-')}", task=tasks[i], learning_rate=lrs[i], rank=ranks[i],
-            loss_fn=losses[i], prompts_per_step=args.prompts, group_size=args.group_size,
-            max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed + i,
+            name=f"t{i}-{tasks[i].replace(':', '-')}",
+            task=tasks[i],
+            learning_rate=lrs[i],
+            rank=ranks[i],
+            loss_fn=losses[i],
+            prompts_per_step=args.prompts,
+            group_size=args.group_size,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            seed=args.seed + i,
         )
         for i in range(n)
     ]
     config = RLConfig(
-        base_model=args.base_model, run_dir=Path(args.run_dir), tenants=tenants, steps=args.steps,
-        save_every=args.save_every, base_url=args.base_url, api_keys=args.api_key or None, resume=args.resume,
-        progress=not args.no_progress, dtype=args.dtype, torch_threads=args.torch_threads,
+        base_model=args.base_model,
+        run_dir=Path(args.run_dir),
+        tenants=tenants,
+        steps=args.steps,
+        save_every=args.save_every,
+        base_url=args.base_url,
+        api_keys=args.api_key or None,
+        resume=args.resume,
+        progress=not args.no_progress,
+        dtype=args.dtype,
+        torch_threads=args.torch_threads,
     )
     results = run_rl(config)
     return 1 if any(r.error for r in results.values()) else 0
 
 
 def _register_rl(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("rl", help="GRPO-style RL for several tenants at once over the Tinker API")
+    parser = subparsers.add_parser(
+        "rl", help="GRPO-style RL for several tenants at once over the Tinker API"
+    )
     parser.add_argument("--base-model", default="smollm2-135m", help="preset name or local HF dir")
-    parser.add_argument("--tenants", type=int, default=2, help="adapters trained at once, each on its own thread")
-    parser.add_argument("--tasks", default="arithmetic,rg:chain_sum",
-                        help="comma list, cycled over tenants: arithmetic[:MAX], tag[:MAX], rg:<reasoning-gym task>")
-    parser.add_argument("--lr", default="5e-4", help="learning rate(s), comma list cycled over tenants")
+    parser.add_argument(
+        "--tenants", type=int, default=2, help="adapters trained at once, each on its own thread"
+    )
+    parser.add_argument(
+        "--tasks",
+        default="arithmetic,rg:chain_sum",
+        help="comma list, cycled over tenants: arithmetic[:MAX], tag[:MAX], rg:<reasoning-gym task>",
+    )
+    parser.add_argument(
+        "--lr", default="5e-4", help="learning rate(s), comma list cycled over tenants"
+    )
     parser.add_argument("--rank", default="8", help="LoRA rank(s), comma list cycled over tenants")
-    parser.add_argument("--loss", default="importance_sampling", help="importance_sampling or ppo, comma list cycled")
+    parser.add_argument(
+        "--loss",
+        default="importance_sampling",
+        help="importance_sampling or ppo, comma list cycled",
+    )
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--prompts", type=int, default=8, help="prompts per step per tenant")
-    parser.add_argument("--group-size", type=int, default=4, help="samples per prompt (advantages centred per group)")
+    parser.add_argument(
+        "--group-size",
+        type=int,
+        default=4,
+        help="samples per prompt (advantages centred per group)",
+    )
     parser.add_argument("--max-tokens", type=int, default=20)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0, help="tenant i uses seed+i")
-    parser.add_argument("--save-every", type=int, default=5, help="save_state + sampler export every N steps")
-    parser.add_argument("--run-dir", default="runs/rl", help="metrics, curve, checkpoints record, PEFT adapters")
-    parser.add_argument("--resume", action="store_true", help="continue each tenant from its last checkpoint")
-    parser.add_argument("--base-url", default=None, help="a remote lorafleet/Tinker server (default: embedded)")
-    parser.add_argument("--api-key", action="append", help="tml-... key per tenant for --base-url (repeat)")
-    parser.add_argument("--dtype", default="bfloat16", help="embedded server dtype: bfloat16 or float32")
+    parser.add_argument(
+        "--save-every", type=int, default=5, help="save_state + sampler export every N steps"
+    )
+    parser.add_argument(
+        "--run-dir", default="runs/rl", help="metrics, curve, checkpoints record, PEFT adapters"
+    )
+    parser.add_argument(
+        "--resume", action="store_true", help="continue each tenant from its last checkpoint"
+    )
+    parser.add_argument(
+        "--base-url", default=None, help="a remote lorafleet/Tinker server (default: embedded)"
+    )
+    parser.add_argument(
+        "--api-key", action="append", help="tml-... key per tenant for --base-url (repeat)"
+    )
+    parser.add_argument(
+        "--dtype", default="bfloat16", help="embedded server dtype: bfloat16 or float32"
+    )
     parser.add_argument("--torch-threads", type=int, default=None)
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (logs, CI)")
     parser.set_defaults(func=_cmd_rl)
@@ -229,30 +313,54 @@ def _cmd_sft(args: argparse.Namespace) -> int:
 
     from lorafleet.rl.sft import SFTConfig, run_sft
 
-    run_sft(SFTConfig(
-        base_model=args.base_model, data=Path(args.data), run_dir=Path(args.run_dir), steps=args.steps,
-        batch_size=args.batch_size, learning_rate=args.lr, rank=args.rank, eval_fraction=args.eval_fraction,
-        eval_every=args.eval_every, seed=args.seed, base_url=args.base_url, api_key=args.api_key,
-        progress=not args.no_progress, dtype=args.dtype,
-    ))
+    run_sft(
+        SFTConfig(
+            base_model=args.base_model,
+            data=Path(args.data),
+            run_dir=Path(args.run_dir),
+            steps=args.steps,
+            batch_size=args.batch_size,
+            learning_rate=args.lr,
+            rank=args.rank,
+            eval_fraction=args.eval_fraction,
+            eval_every=args.eval_every,
+            seed=args.seed,
+            base_url=args.base_url,
+            api_key=args.api_key,
+            progress=not args.no_progress,
+            dtype=args.dtype,
+        )
+    )
     return 0
 
 
 def _register_sft(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("sft", help="supervised fine-tuning (cross_entropy) of one adapter from JSONL")
-    parser.add_argument("--data", required=True, help="JSONL: {'messages': [...]} or {'prompt': ..., 'completion': ...}")
+    parser = subparsers.add_parser(
+        "sft", help="supervised fine-tuning (cross_entropy) of one adapter from JSONL"
+    )
+    parser.add_argument(
+        "--data",
+        required=True,
+        help="JSONL: {'messages': [...]} or {'prompt': ..., 'completion': ...}",
+    )
     parser.add_argument("--base-model", default="smollm2-135m", help="preset name or local HF dir")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--rank", type=int, default=8)
-    parser.add_argument("--eval-fraction", type=float, default=0.2, help="rows held out for the reported loss")
+    parser.add_argument(
+        "--eval-fraction", type=float, default=0.2, help="rows held out for the reported loss"
+    )
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--run-dir", default="runs/sft")
-    parser.add_argument("--base-url", default=None, help="a remote lorafleet/Tinker server (default: embedded)")
+    parser.add_argument(
+        "--base-url", default=None, help="a remote lorafleet/Tinker server (default: embedded)"
+    )
     parser.add_argument("--api-key", default=None, help="tml-... key for --base-url")
-    parser.add_argument("--dtype", default="bfloat16", help="embedded server dtype: bfloat16 or float32")
+    parser.add_argument(
+        "--dtype", default="bfloat16", help="embedded server dtype: bfloat16 or float32"
+    )
     parser.add_argument("--no-progress", action="store_true")
     parser.set_defaults(func=_cmd_sft)
 

@@ -44,7 +44,9 @@ def _chat_item(tokenizer, tenant: DemoTenant, slot: int) -> TrainItem:
     prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if not isinstance(prompt_ids, list):
         prompt_ids = list(prompt_ids["input_ids"])
-    answer_ids = tokenizer(tenant.answer + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
+    answer_ids = tokenizer(tenant.answer + tokenizer.eos_token, add_special_tokens=False)[
+        "input_ids"
+    ]
     seq = list(prompt_ids) + list(answer_ids)
     weights = [0.0] * (len(prompt_ids) - 1) + [1.0] * len(answer_ids)
     return TrainItem(
@@ -62,12 +64,22 @@ def run_demo(base_model: str, *, dtype: str, steps: int, out_dir: Path) -> list[
     adapted = AdaptedModel(base.model, resolve_tinker_targets(base.model))
     adapted.add_bank("train", num_slots=len(TENANTS) + 1, r_max=max(t.rank for t in TENANTS))
     engine = TrainEngine(adapted, base_model_id=base.model_id)
-    slots = [engine.create_adapter(AdapterSpec(rank=t.rank, alpha=2.0 * t.rank, seed=i)) for i, t in enumerate(TENANTS)]
+    slots = [
+        engine.create_adapter(AdapterSpec(rank=t.rank, alpha=2.0 * t.rank, seed=i))
+        for i, t in enumerate(TENANTS)
+    ]
     items = [_chat_item(base.tokenizer, t, s) for t, s in zip(TENANTS, slots, strict=True)]
-    hparams = {s: AdamHParams(learning_rate=t.learning_rate) for t, s in zip(TENANTS, slots, strict=True)}
-    print(f"base {base.model_id} ({sum(p.numel() for p in base.model.parameters()) / 1e6:.1f}M params, {dtype}) "
-          f"loaded in {loaded_s:.1f}s; {len(adapted.layers)} layers carry banks")
-    print(f"{len(TENANTS)} adapters: " + ", ".join(f"{t.name} (rank {t.rank}, lr {t.learning_rate:g})" for t in TENANTS))
+    hparams = {
+        s: AdamHParams(learning_rate=t.learning_rate) for t, s in zip(TENANTS, slots, strict=True)
+    }
+    print(
+        f"base {base.model_id} ({sum(p.numel() for p in base.model.parameters()) / 1e6:.1f}M params, {dtype}) "
+        f"loaded in {loaded_s:.1f}s; {len(adapted.layers)} layers carry banks"
+    )
+    print(
+        f"{len(TENANTS)} adapters: "
+        + ", ".join(f"{t.name} (rank {t.rank}, lr {t.learning_rate:g})" for t in TENANTS)
+    )
     history: list[dict[str, float]] = []
     print(f"\n{'step':>4}  " + "  ".join(f"{t.name:>11}" for t in TENANTS) + "   step time")
     for step in range(steps):
@@ -80,12 +92,19 @@ def run_demo(base_model: str, *, dtype: str, steps: int, out_dir: Path) -> list[
             for t, o, item in zip(TENANTS, out.items, items, strict=True)
         }
         history.append(per_token)
-        print(f"{step:>4}  " + "  ".join(f"{per_token[t.name]:>11.3f}" for t in TENANTS) + f"   {elapsed:8.2f}s")
+        print(
+            f"{step:>4}  "
+            + "  ".join(f"{per_token[t.name]:>11.3f}" for t in TENANTS)
+            + f"   {elapsed:8.2f}s"
+        )
     out_dir.mkdir(parents=True, exist_ok=True)
     print("\nexported PEFT adapters:")
     for t, s in zip(TENANTS, slots, strict=True):
         path = engine.export_peft(s, out_dir / t.name, overwrite=True)
         print(f"  {t.name:<11} {path}")
     first, last = history[0], history[-1]
-    print("\nloss per answer token, first -> last step: " + ", ".join(f"{k} {first[k]:.2f} -> {last[k]:.2f}" for k in first))
+    print(
+        "\nloss per answer token, first -> last step: "
+        + ", ".join(f"{k} {first[k]:.2f} -> {last[k]:.2f}" for k in first)
+    )
     return history

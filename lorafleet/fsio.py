@@ -54,7 +54,9 @@ def safe_name(name: str, field: str) -> str:
     if not name:
         raise ValueError(f"{field} must not be empty")
     if len(name) > _NAME_MAX:
-        raise ValueError(f"{field} is {len(name)} characters long, at most {_NAME_MAX} allowed: {name[:40]!r}...")
+        raise ValueError(
+            f"{field} is {len(name)} characters long, at most {_NAME_MAX} allowed: {name[:40]!r}..."
+        )
     if not _NAME_RE.fullmatch(name):
         raise ValueError(f"{field} {name!r} may only contain letters, digits, '.', '_' and '-'")
     if name.startswith("."):
@@ -139,7 +141,9 @@ def atomic_save_safetensors(
 ) -> Path:
     """safetensors' save_file, published atomically; tensors are made contiguous CPU copies."""
     if metadata is not None:
-        bad = {k: v for k, v in metadata.items() if not isinstance(k, str) or not isinstance(v, str)}
+        bad = {
+            k: v for k, v in metadata.items() if not isinstance(k, str) or not isinstance(v, str)
+        }
         if bad:
             raise ValueError(f"safetensors metadata must map str to str, got {bad!r}")
     prepared = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
@@ -193,7 +197,9 @@ def atomic_directory(dest: PathLike, *, overwrite: bool = False) -> Iterator[Pat
         _seal_tree(tmp)
         if os.path.lexists(dest):
             if not overwrite:
-                raise FileExistsError(f"{dest} appeared while it was being written; not replacing it")
+                raise FileExistsError(
+                    f"{dest} appeared while it was being written; not replacing it"
+                )
             if not dest.is_dir() or dest.is_symlink():
                 raise FileExistsError(f"{dest} exists and is not a directory; not replacing it")
             aside = parent / f".{dest.name}.old-{secrets.token_hex(6)}"
@@ -215,4 +221,6 @@ def atomic_directory(dest: PathLike, *, overwrite: bool = False) -> Iterator[Pat
         try:
             shutil.rmtree(aside)
         except OSError as exc:
-            log.warning("published %s but could not remove the replaced copy %s: %s", dest, aside, exc)
+            log.warning(
+                "published %s but could not remove the replaced copy %s: %s", dest, aside, exc
+            )

@@ -6,7 +6,9 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 
-def tiny_qwen3(seed: int = 0, *, hidden: int = 64, vocab: int = 96, layers: int = 2) -> torch.nn.Module:
+def tiny_qwen3(
+    seed: int = 0, *, hidden: int = 64, vocab: int = 96, layers: int = 2
+) -> torch.nn.Module:
     config = Qwen3Config(
         hidden_size=hidden,
         intermediate_size=2 * hidden,
@@ -19,7 +21,9 @@ def tiny_qwen3(seed: int = 0, *, hidden: int = 64, vocab: int = 96, layers: int 
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(
+        config, dtype=torch.float32, attn_implementation="sdpa"
+    )
     return model.eval()
 
 
@@ -36,5 +40,7 @@ def tiny_llama(seed: int = 0, *, hidden: int = 48, vocab: int = 90) -> torch.nn.
         tie_word_embeddings=True,
     )
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(
+        config, dtype=torch.float32, attn_implementation="sdpa"
+    )
     return model.eval()

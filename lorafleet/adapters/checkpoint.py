@@ -75,14 +75,17 @@ class TrainingState:
 def _check_optimizer(bank: BankSet, optimizer: BankAdamW | None) -> None:
     if optimizer is None:
         return
-    if (
-        optimizer.params.data_ptr() != bank.params.data_ptr()
-        or tuple(optimizer.params.shape) != tuple(bank.params.shape)
-    ):
-        raise CheckpointError(f"the optimizer does not manage bank {bank.name!r} (built over other params)")
+    if optimizer.params.data_ptr() != bank.params.data_ptr() or tuple(
+        optimizer.params.shape
+    ) != tuple(bank.params.shape):
+        raise CheckpointError(
+            f"the optimizer does not manage bank {bank.name!r} (built over other params)"
+        )
 
 
-def _split_exact(bank: BankSet, row: torch.Tensor, rank: int, targets: tuple[str, ...], what: str) -> LayerTensors:
+def _split_exact(
+    bank: BankSet, row: torch.Tensor, rank: int, targets: tuple[str, ...], what: str
+) -> LayerTensors:
     """Per-layer copies of a row, refusing rows the per-layer form would not restore exactly.
 
     Outside the adapter's rank and layers a row is zero by construction (see banks.py); if it
@@ -131,11 +134,19 @@ def save_training_state(
         state = optimizer.slot_state(slot)
         step = int(state["step"])
         moments = {
-            name: _split_exact(bank, state[name], rank, targets, f"slot {slot} optimizer {name}") for name in MOMENTS
+            name: _split_exact(bank, state[name], rank, targets, f"slot {slot} optimizer {name}")
+            for name in MOMENTS
         }
     return write_training_state(
-        dest, spec=info.spec, base_model_id=base_model_id, weights=weights, moments=moments, step=step,
-        hparams=hparams, metadata=metadata, overwrite=overwrite,
+        dest,
+        spec=info.spec,
+        base_model_id=base_model_id,
+        weights=weights,
+        moments=moments,
+        step=step,
+        hparams=hparams,
+        metadata=metadata,
+        overwrite=overwrite,
     )
 
 
@@ -165,10 +176,16 @@ def write_training_state(
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"metadata is not plain JSON: {exc}") from exc
     if spec.targets is None or list(weights) != list(spec.targets):
-        raise CheckpointError(f"weights cover layers {list(weights)[:3]}..., not the adapter's targets {spec.targets}")
+        raise CheckpointError(
+            f"weights cover layers {list(weights)[:3]}..., not the adapter's targets {spec.targets}"
+        )
     if (moments is None) != (step is None):
         raise CheckpointError("optimizer moments and step go together (both or neither)")
-    tensors = {f"{path}.{which}": t for path, (A, B) in weights.items() for which, t in (("A", A), ("B", B))}
+    tensors = {
+        f"{path}.{which}": t
+        for path, (A, B) in weights.items()
+        for which, t in (("A", A), ("B", B))
+    }
 
     opt_tensors: dict[str, torch.Tensor] | None = None
     if moments is not None:
@@ -176,7 +193,9 @@ def write_training_state(
         opt_tensors = {"step": torch.tensor(int(step), dtype=torch.int64)}
         for name in MOMENTS:
             if list(moments[name]) != list(spec.targets):
-                raise CheckpointError(f"optimizer {name} covers other layers than the adapter's targets")
+                raise CheckpointError(
+                    f"optimizer {name} covers other layers than the adapter's targets"
+                )
             for path, (A, B) in moments[name].items():
                 opt_tensors[f"{name}.{path}.A"] = A
                 opt_tensors[f"{name}.{path}.B"] = B
@@ -242,10 +261,14 @@ def _layer_tensors(
             key = f"{prefix}{path}.{which}"
             t = tensors[key]
             if t.dtype != torch.float32 or t.dim() != 2:
-                raise CheckpointError(f"{where}: {key} must be a 2-D float32 tensor, got {t.dtype} {tuple(t.shape)}")
+                raise CheckpointError(
+                    f"{where}: {key} must be a 2-D float32 tensor, got {t.dtype} {tuple(t.shape)}"
+                )
             rank_dim = t.shape[0] if which == "A" else t.shape[1]
             if rank_dim != spec.rank:
-                raise CheckpointError(f"{where}: {key} has shape {tuple(t.shape)}, which does not match rank {spec.rank}")
+                raise CheckpointError(
+                    f"{where}: {key} has shape {tuple(t.shape)}, which does not match rank {spec.rank}"
+                )
             if not bool(torch.isfinite(t).all()):
                 raise CheckpointError(f"{where}: {key} contains NaN or inf")
             pair.append(t)
@@ -257,7 +280,9 @@ def _check_keys(tensors: Mapping[str, torch.Tensor], expected: set[str], where: 
     missing = sorted(expected - set(tensors))
     unexpected = sorted(set(tensors) - expected)
     if missing or unexpected:
-        raise CheckpointError(f"{where}: tensors do not match the signature: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise CheckpointError(
+            f"{where}: tensors do not match the signature: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
 
 
 def read_training_state(src: PathLike) -> TrainingState:
@@ -274,10 +299,14 @@ def read_training_state(src: PathLike) -> TrainingState:
         raise CheckpointError(f"{state_path}: not valid JSON: {exc}") from exc
     where = str(state_path)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise CheckpointError(f"{where}: not a lorafleet training state (format {doc.get('format') if isinstance(doc, dict) else None!r})")
+        raise CheckpointError(
+            f"{where}: not a lorafleet training state (format {doc.get('format') if isinstance(doc, dict) else None!r})"
+        )
     version = doc.get("format_version")
     if version != FORMAT_VERSION:
-        raise CheckpointError(f"{where}: format_version {version!r} is not supported (expected {FORMAT_VERSION})")
+        raise CheckpointError(
+            f"{where}: format_version {version!r} is not supported (expected {FORMAT_VERSION})"
+        )
 
     sig = _field(doc, "signature", dict, where)
     rank = _field(sig, "rank", int, where)
@@ -285,17 +314,27 @@ def read_training_state(src: PathLike) -> TrainingState:
     use_rslora = _field(sig, "use_rslora", bool, where)
     targets = _field(sig, "targets", list, where)
     base_model_id = _field(sig, "base_model_id", str, where)
-    if not targets or not all(isinstance(t, str) and t for t in targets) or len(set(targets)) != len(targets):
-        raise CheckpointError(f"{where}: signature targets must be distinct module paths, got {targets!r}")
+    if (
+        not targets
+        or not all(isinstance(t, str) and t for t in targets)
+        or len(set(targets)) != len(targets)
+    ):
+        raise CheckpointError(
+            f"{where}: signature targets must be distinct module paths, got {targets!r}"
+        )
     if rank < 1 or not math.isfinite(alpha) or alpha <= 0:
         raise CheckpointError(f"{where}: signature has invalid rank {rank!r} or alpha {alpha!r}")
     seed = _field(doc, "seed", int, where)
-    spec = AdapterSpec(rank=rank, alpha=alpha, use_rslora=use_rslora, seed=seed, targets=tuple(targets))
+    spec = AdapterSpec(
+        rank=rank, alpha=alpha, use_rslora=use_rslora, seed=seed, targets=tuple(targets)
+    )
 
     step = _field(doc, "step", (int, type(None)), where)
     has_opt = _field(doc, "has_optimizer_state", bool, where)
     if has_opt and (step is None or step < 0):
-        raise CheckpointError(f"{where}: step must be a non-negative integer with optimizer state, got {step!r}")
+        raise CheckpointError(
+            f"{where}: step must be a non-negative integer with optimizer state, got {step!r}"
+        )
     hparams_doc = _field(doc, "hparams", (dict, type(None)), where)
     try:
         hparams = AdamHParams.from_dict(hparams_doc) if hparams_doc is not None else None
@@ -317,7 +356,9 @@ def read_training_state(src: PathLike) -> TrainingState:
         _check_keys(raw_opt, expected, opt_path)
         saved_step = raw_opt["step"]
         if saved_step.dtype != torch.int64 or saved_step.dim() != 0 or int(saved_step) != step:
-            raise CheckpointError(f"{opt_path}: step tensor {saved_step!r} does not match state.json step {step}")
+            raise CheckpointError(
+                f"{opt_path}: step tensor {saved_step!r} does not match state.json step {step}"
+            )
         moments = {m: _layer_tensors(raw_opt, f"{m}.", spec, opt_path) for m in MOMENTS}
         for path, pair in moments["exp_avg_sq"].items():
             if any(bool((t < 0).any()) for t in pair):
@@ -325,9 +366,13 @@ def read_training_state(src: PathLike) -> TrainingState:
         for name in MOMENTS:
             for path, (A, B) in moments[name].items():
                 if A.shape != weights[path][0].shape or B.shape != weights[path][1].shape:
-                    raise CheckpointError(f"{opt_path}: {name} of {path} does not have the weights' shapes")
+                    raise CheckpointError(
+                        f"{opt_path}: {name} of {path} does not have the weights' shapes"
+                    )
     elif opt_path.exists():
-        raise CheckpointError(f"{src}: has {OPTIMIZER_NAME} but state.json says it holds no optimizer state")
+        raise CheckpointError(
+            f"{src}: has {OPTIMIZER_NAME} but state.json says it holds no optimizer state"
+        )
 
     return TrainingState(
         spec=spec,
@@ -347,7 +392,9 @@ def read_training_state(src: PathLike) -> TrainingState:
 def _check_fits(state: TrainingState, bank: BankSet, src: Path) -> None:
     spec = state.spec
     if spec.rank > bank.r_max:
-        raise CheckpointError(f"{src}: adapter rank {spec.rank} exceeds r_max {bank.r_max} of bank {bank.name!r}")
+        raise CheckpointError(
+            f"{src}: adapter rank {spec.rank} exceeds r_max {bank.r_max} of bank {bank.name!r}"
+        )
     assert spec.targets is not None
     missing = [p for p in spec.targets if p not in bank.layers]
     if missing:
@@ -381,8 +428,13 @@ def restore_training_state(
     """
     src = Path(src)
     return apply_training_state(
-        read_training_state(src), src, bank=bank, optimizer=optimizer, base_model_id=base_model_id,
-        slot=slot, load_optimizer=load_optimizer,
+        read_training_state(src),
+        src,
+        bank=bank,
+        optimizer=optimizer,
+        base_model_id=base_model_id,
+        slot=slot,
+        load_optimizer=load_optimizer,
     )
 
 
@@ -411,7 +463,9 @@ def apply_training_state(
     slot_state: dict[str, torch.Tensor] | None = None
     if optimizer is not None and load_optimizer and state.moments is not None:
         assert state.step is not None
-        slot_state = {name: bank.join_row(state.moments[name], spec.rank, spec.targets) for name in MOMENTS}
+        slot_state = {
+            name: bank.join_row(state.moments[name], spec.rank, spec.targets) for name in MOMENTS
+        }
         slot_state["step"] = torch.tensor(state.step, dtype=torch.int64)
 
     slot = bank.allocate(spec, slot, initialize=False)

@@ -39,8 +39,8 @@ from lorafleet.model.banks import AdapterSpec, BankSet, layer_experts
 from lorafleet.model.experts import ExpertProjection, ExpertsError
 
 __all__ = [
-    "EXPERT_LAYOUTS",
     "CONFIG_NAME",
+    "EXPERT_LAYOUTS",
     "WEIGHTS_NAME",
     "PeftFormatError",
     "export_peft",
@@ -140,7 +140,9 @@ def _json_number(value: float) -> int | float:
 
 
 def peft_config(
-    spec: AdapterSpec, targets: list[str], base_model_name_or_path: str,
+    spec: AdapterSpec,
+    targets: list[str],
+    base_model_name_or_path: str,
     target_parameters: list[str] | None = None,
 ) -> dict[str, Any]:
     """The adapter_config.json PEFT would write for this adapter."""
@@ -174,7 +176,9 @@ def _nesting_prefix(projection: ExpertProjection, targeted: list[str]) -> str:
     return f"{module_path}." + "base_layer." * depth
 
 
-def _split_experts(A: torch.Tensor, B: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _split_experts(
+    A: torch.Tensor, B: torch.Tensor, experts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Bank form (experts side by side: A[r, E * in], B[E * out, r]) -> A[E, r, in], B[E, out, r]."""
     rank = A.shape[0]
     return A.view(rank, experts, -1).transpose(0, 1), B.view(experts, -1, rank)
@@ -204,7 +208,9 @@ def _expert_tensors(
             try:
                 names = projection.checkpoint_names()
             except ExpertsError as exc:
-                raise ValueError(f"cannot write {path} in the base checkpoint's layout: {exc}") from exc
+                raise ValueError(
+                    f"cannot write {path} in the base checkpoint's layout: {exc}"
+                ) from exc
         if names is None:
             fused[path] = projection
             continue
@@ -222,7 +228,9 @@ def _expert_tensors(
         # PEFT's ParamWrapper: lora_A [E * r, in] expert-major rows (e * r + j), lora_B
         # [out, r * E] rank-major columns (j * E + e).
         tensors[f"{prefix}lora_A.weight"] = A_e.reshape(-1, A_e.shape[2]).contiguous()
-        tensors[f"{prefix}lora_B.weight"] = B_e.permute(1, 2, 0).reshape(B_e.shape[1], -1).contiguous()
+        tensors[f"{prefix}lora_B.weight"] = (
+            B_e.permute(1, 2, 0).reshape(B_e.shape[1], -1).contiguous()
+        )
     return tensors, sorted(modules), targeted
 
 
@@ -248,10 +256,18 @@ def _bank_expert_weights(
     converted: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     if targets:
         for module_path, members in by_module.items():
-            keys = {k: v for k, v in weights.items() if re.fullmatch(re.escape(module_path) + r"(\.base_layer)*", k)}
+            keys = {
+                k: v
+                for k, v in weights.items()
+                if re.fullmatch(re.escape(module_path) + r"(\.base_layer)*", k)
+            }
             if not keys:
                 continue
-            params = [p for p in members[0].sibling_params() if _peft_param_match(f"{module_path}.{p}", targets)]
+            params = [
+                p
+                for p in members[0].sibling_params()
+                if _peft_param_match(f"{module_path}.{p}", targets)
+            ]
             if len(keys) != len(params):
                 raise PeftFormatError(
                     f"{src}: {len(keys)} LoRA pairs under {module_path} but target_parameters selects "
@@ -261,10 +277,14 @@ def _bank_expert_weights(
             for key, (A, B) in keys.items():
                 depth = key.count(".base_layer")
                 if depth >= len(params):
-                    raise PeftFormatError(f"{src}: {key} is nested deeper than the {len(params)} targeted parameters")
+                    raise PeftFormatError(
+                        f"{src}: {key} is nested deeper than the {len(params)} targeted parameters"
+                    )
                 param = params[len(params) - 1 - depth]
                 if param not in by_param:
-                    raise PeftFormatError(f"{src}: {module_path}.{param} is not a layer of bank {bank.name!r}")
+                    raise PeftFormatError(
+                        f"{src}: {module_path}.{param} is not a layer of bank {bank.name!r}"
+                    )
                 projection = by_param[param]
                 experts = projection.num_experts
                 if A.shape[0] != experts * r or B.shape[1] != experts * r:
@@ -272,7 +292,9 @@ def _bank_expert_weights(
                         f"{src}: {key} has lora_A {tuple(A.shape)} / lora_B {tuple(B.shape)}, expected "
                         f"({experts} experts x r={r}, in) / (out, r x experts)"
                     )
-                converted[projection.path] = _join_experts(A.view(experts, r, -1), B.view(B.shape[0], r, experts).permute(2, 0, 1))
+                converted[projection.path] = _join_experts(
+                    A.view(experts, r, -1), B.view(B.shape[0], r, experts).permute(2, 0, 1)
+                )
                 del out[key]
     # "checkpoint" layout: per-expert 2-D modules.
     pieces: dict[str, dict[int, list[tuple[tuple[int, int], torch.Tensor, torch.Tensor, str]]]] = {}
@@ -285,7 +307,9 @@ def _bank_expert_weights(
         for name in names or []:
             if name.module in weights:
                 A, B = out.pop(name.module)
-                pieces.setdefault(projection.path, {}).setdefault(name.expert, []).append((name.rows, A, B, name.module))
+                pieces.setdefault(projection.path, {}).setdefault(name.expert, []).append(
+                    (name.rows, A, B, name.module)
+                )
                 owners[projection.path] = projection
     for path, per_expert in pieces.items():
         if path in converted:
@@ -302,7 +326,9 @@ def _bank_expert_weights(
                         f"projection ({path}) whose experts share one A; only such adapters import exactly"
                     )
                 if B.shape[0] != rows[1] - rows[0]:
-                    raise PeftFormatError(f"{src}: {module} lora_B has {B.shape[0]} rows, the checkpoint module has {rows[1] - rows[0]}")
+                    raise PeftFormatError(
+                        f"{src}: {module} lora_B has {B.shape[0]} rows, the checkpoint module has {rows[1] - rows[0]}"
+                    )
                 B_e[expert, rows[0] : rows[1]] = B
             A_e[expert] = first[1]
         converted[path] = _join_experts(A_e, B_e)
@@ -329,9 +355,13 @@ def export_peft(
     if expert_layout not in EXPERT_LAYOUTS:
         raise ValueError(f"expert_layout must be one of {EXPERT_LAYOUTS}, got {expert_layout!r}")
     if not isinstance(base_model_name_or_path, str) or not base_model_name_or_path:
-        raise ValueError(f"base_model_name_or_path must be a non-empty string, got {base_model_name_or_path!r}")
+        raise ValueError(
+            f"base_model_name_or_path must be a non-empty string, got {base_model_name_or_path!r}"
+        )
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
+        raise ValueError(
+            f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}"
+        )
     info = bank.check_slot(slot)
     weights = bank.slot_weights(slot)
     tensors: dict[str, torch.Tensor] = {}
@@ -340,7 +370,9 @@ def export_peft(
     for path, (A, B) in weights.items():
         for which, t in (("A", A), ("B", B)):
             if not bool(torch.isfinite(t).all()):
-                raise ValueError(f"slot {slot} of bank {bank.name!r}: {path} {which} contains NaN or inf; not exporting it")
+                raise ValueError(
+                    f"slot {slot} of bank {bank.name!r}: {path} {which} contains NaN or inf; not exporting it"
+                )
         if layer_experts(bank.layers[path]) != 1:
             expert_weights[path] = (A, B)
             continue
@@ -349,7 +381,9 @@ def export_peft(
             tensors[f"{_PREFIX}{path}.lora_{which}.weight"] = t.to(dtype)
     target_parameters: list[str] = []
     if expert_weights:
-        expert_tensors, modules, target_parameters = _expert_tensors(bank, expert_weights, expert_layout)
+        expert_tensors, modules, target_parameters = _expert_tensors(
+            bank, expert_weights, expert_layout
+        )
         tensors.update({f"{_PREFIX}{key}": t.to(dtype) for key, t in expert_tensors.items()})
         dense.extend(modules)
     config = peft_config(info.spec, dense, base_model_name_or_path, target_parameters)
@@ -371,13 +405,22 @@ def _validate_config(config: Any, where: Path) -> None:
     if not isinstance(config, dict):
         raise PeftFormatError(f"{where}: expected a JSON object, got {type(config).__name__}")
     if config.get("peft_type") != "LORA":
-        raise PeftFormatError(f"{where}: peft_type is {config.get('peft_type')!r}, only 'LORA' is supported")
+        raise PeftFormatError(
+            f"{where}: peft_type is {config.get('peft_type')!r}, only 'LORA' is supported"
+        )
     r = config.get("r")
     if not isinstance(r, int) or isinstance(r, bool) or r < 1:
         raise PeftFormatError(f"{where}: r must be a positive integer, got {r!r}")
     alpha = config.get("lora_alpha")
-    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha) or alpha <= 0:
-        raise PeftFormatError(f"{where}: lora_alpha must be a positive finite number, got {alpha!r}")
+    if (
+        isinstance(alpha, bool)
+        or not isinstance(alpha, int | float)
+        or not math.isfinite(alpha)
+        or alpha <= 0
+    ):
+        raise PeftFormatError(
+            f"{where}: lora_alpha must be a positive finite number, got {alpha!r}"
+        )
     use_rslora = config.get("use_rslora", False)
     if not isinstance(use_rslora, bool):
         raise PeftFormatError(f"{where}: use_rslora must be true or false, got {use_rslora!r}")
@@ -389,9 +432,12 @@ def _validate_config(config: Any, where: Path) -> None:
         )
     target_parameters = config.get("target_parameters")
     if target_parameters is not None and (
-        not isinstance(target_parameters, list) or not all(isinstance(t, str) and t for t in target_parameters)
+        not isinstance(target_parameters, list)
+        or not all(isinstance(t, str) and t for t in target_parameters)
     ):
-        raise PeftFormatError(f"{where}: target_parameters must be a list of parameter names, got {target_parameters!r}")
+        raise PeftFormatError(
+            f"{where}: target_parameters must be a list of parameter names, got {target_parameters!r}"
+        )
     bias = config.get("bias", "none")
     if bias != "none":
         raise PeftFormatError(f"{where}: bias={bias!r} is not supported (only 'none')")
@@ -399,7 +445,9 @@ def _validate_config(config: Any, where: Path) -> None:
         if name in _IGNORED_FIELDS or name in _CHECKED_FIELDS or name == "bias":
             continue
         if not _is_default(value) and value != _PEFT_DEFAULTS.get(name):
-            raise PeftFormatError(f"{where}: {name}={value!r} is not supported (only plain LoRA can be imported)")
+            raise PeftFormatError(
+                f"{where}: {name}={value!r} is not supported (only plain LoRA can be imported)"
+            )
 
 
 def _parse_key(key: str) -> tuple[str, str, str | None]:
@@ -490,13 +538,23 @@ def _read(
         A, B = pair["A"], pair["B"]
         for which, t in (("A", A), ("B", B)):
             if not t.is_floating_point():
-                raise PeftFormatError(f"{weights_path}: {path} lora_{which} has dtype {t.dtype}, expected a float type")
+                raise PeftFormatError(
+                    f"{weights_path}: {path} lora_{which} has dtype {t.dtype}, expected a float type"
+                )
         # A fused-experts parameter (target_parameters) holds E experts' pairs: [E * r, in].
-        rows = A.shape[0] if A.dim() == 2 and _is_param_wrapper(path, config) and A.shape[0] % r == 0 else r
+        rows = (
+            A.shape[0]
+            if A.dim() == 2 and _is_param_wrapper(path, config) and A.shape[0] % r == 0
+            else r
+        )
         if A.dim() != 2 or A.shape[0] != rows:
-            raise PeftFormatError(f"{weights_path}: {path} lora_A has shape {tuple(A.shape)}, expected (r={r}, in_features)")
+            raise PeftFormatError(
+                f"{weights_path}: {path} lora_A has shape {tuple(A.shape)}, expected (r={r}, in_features)"
+            )
         if B.dim() != 2 or B.shape[1] != rows:
-            raise PeftFormatError(f"{weights_path}: {path} lora_B has shape {tuple(B.shape)}, expected (out_features, r={rows})")
+            raise PeftFormatError(
+                f"{weights_path}: {path} lora_B has shape {tuple(B.shape)}, expected (out_features, r={rows})"
+            )
         A32, B32 = A.to(torch.float32), B.to(torch.float32)
         for which, t in (("A", A32), ("B", B32)):
             if not bool(torch.isfinite(t).all()):
@@ -504,7 +562,9 @@ def _read(
         weights[path] = (A32, B32)
     orphan_bases = sorted(set(bases) - set(weights))
     if orphan_bases:
-        raise PeftFormatError(f"{weights_path}: full base weights saved for non-LoRA modules {orphan_bases[:8]}")
+        raise PeftFormatError(
+            f"{weights_path}: full base weights saved for non-LoRA modules {orphan_bases[:8]}"
+        )
     return config, weights, bases
 
 
@@ -524,7 +584,9 @@ def _check_against_bank(
     src: Path,
 ) -> None:
     if config["r"] > bank.r_max:
-        raise PeftFormatError(f"{src}: r={config['r']} exceeds r_max {bank.r_max} of bank {bank.name!r}")
+        raise PeftFormatError(
+            f"{src}: r={config['r']} exceeds r_max {bank.r_max} of bank {bank.name!r}"
+        )
     unknown = [p for p in weights if p not in bank.layers]
     if unknown:
         raise PeftFormatError(
@@ -534,9 +596,13 @@ def _check_against_bank(
     for path, (A, B) in weights.items():
         layer = bank.layers[path]
         if A.shape[1] != layer.in_features:
-            raise PeftFormatError(f"{src}: {path} lora_A has shape {tuple(A.shape)}, the layer has in_features={layer.in_features}")
+            raise PeftFormatError(
+                f"{src}: {path} lora_A has shape {tuple(A.shape)}, the layer has in_features={layer.in_features}"
+            )
         if B.shape[0] != layer.out_features:
-            raise PeftFormatError(f"{src}: {path} lora_B has shape {tuple(B.shape)}, the layer has out_features={layer.out_features}")
+            raise PeftFormatError(
+                f"{src}: {path} lora_B has shape {tuple(B.shape)}, the layer has out_features={layer.out_features}"
+            )
     for path, saved in bases.items():
         # PEFT saves lm_head/embed_tokens base weights alongside the adapter when they are
         # targeted (save_embedding_layers); harmless only if they are the frozen base's own.

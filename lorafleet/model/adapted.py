@@ -62,7 +62,9 @@ class AdaptedModel:
                 self._wrap_experts(model, expert_params[path].module_path, expert_targets, kernel)
                 continue
             if path not in linears:
-                raise TargetError(f"{path!r} is not a linear layer or fused expert projection that can carry LoRA")
+                raise TargetError(
+                    f"{path!r} is not a linear layer or fused expert projection that can carry LoRA"
+                )
             parent_path, _, child_name = path.rpartition(".")
             parent = model.get_submodule(parent_path) if parent_path else model
             base = getattr(parent, child_name)
@@ -74,7 +76,9 @@ class AdaptedModel:
         self.layers = dict(sorted(self.layers.items()))
         for param in model.parameters():
             param.requires_grad_(False)
-        self.input_groups = probe_input_groups(model, self.layers, self.scope) if share_inputs else []
+        self.input_groups = (
+            probe_input_groups(model, self.layers, self.scope) if share_inputs else []
+        )
 
     def _wrap_experts(
         self, model: nn.Module, module_path: str, targets: dict[str, list[str]], kernel: KernelName
@@ -85,9 +89,13 @@ class AdaptedModel:
         parent = model.get_submodule(parent_path) if parent_path else model
         base = getattr(parent, child_name)
         if isinstance(base, LoRAExperts):
-            raise TargetError(f"{module_path!r} already carries adapter banks; wrap a model only once")
+            raise TargetError(
+                f"{module_path!r} already carries adapter banks; wrap a model only once"
+            )
         try:
-            wrapper = LoRAExperts(base, module_path, self.scope, kernel, params=targets[module_path])
+            wrapper = LoRAExperts(
+                base, module_path, self.scope, kernel, params=targets[module_path]
+            )
         except ExpertsError as exc:
             raise TargetError(str(exc)) from exc
         setattr(parent, child_name, wrapper)
@@ -149,7 +157,9 @@ class AdaptedModel:
         routing = build_routing(slot_ids, bank_set.scales, bank=bank)
         for slot in routing.active_slots():
             if bank_set.slots[slot] is None:
-                raise RoutingError(f"routing uses slot {slot}, which holds no adapter in bank {bank!r}")
+                raise RoutingError(
+                    f"routing uses slot {slot}, which holds no adapter in bank {bank!r}"
+                )
         return routing
 
     @contextmanager
@@ -191,7 +201,10 @@ def probe_input_groups(
     )
     try:
         with scope.use(base_only):
-            model(input_ids=torch.zeros(1, 2, dtype=torch.int64, device=parameter.device), use_cache=False)
+            model(
+                input_ids=torch.zeros(1, 2, dtype=torch.int64, device=parameter.device),
+                use_cache=False,
+            )
     finally:
         for handle in handles:
             handle.remove()

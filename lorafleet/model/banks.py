@@ -85,13 +85,17 @@ def init_seed(adapter_seed: int, module_path: str, which: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def kaiming_uniform_A(rank: int, fan_in: int, seed: int, *, width: int | None = None) -> torch.Tensor:
+def kaiming_uniform_A(
+    rank: int, fan_in: int, seed: int, *, width: int | None = None
+) -> torch.Tensor:
     """PEFT's default A init (kaiming_uniform with a=sqrt(5)): U(-1/sqrt(fan_in), 1/sqrt(fan_in)),
     fan_in being the full layer's input width, never a shard's (one expert's, for experts,
     whose A is `width` = E * fan_in wide)."""
     bound = 1.0 / math.sqrt(fan_in)
     gen = torch.Generator().manual_seed(seed)
-    return torch.empty(rank, fan_in if width is None else width).uniform_(-bound, bound, generator=gen)
+    return torch.empty(rank, fan_in if width is None else width).uniform_(
+        -bound, bound, generator=gen
+    )
 
 
 def layer_experts(layer: object) -> int:
@@ -118,7 +122,14 @@ class InputGroup:
         self.r_store = r_store
         self._local = threading.local()  # a trainer and a sampler thread may run at once
 
-    def hidden(self, member: int, x_key: torch.Tensor, x: torch.Tensor, routing: Routing, kernel: KernelName) -> torch.Tensor | None:
+    def hidden(
+        self,
+        member: int,
+        x_key: torch.Tensor,
+        x: torch.Tensor,
+        routing: Routing,
+        kernel: KernelName,
+    ) -> torch.Tensor | None:
         """Member `member`'s columns of the shared A-projection of `x` (see kernels.lora_hidden)."""
         entry = getattr(self._local, "entry", None)
         if entry is None or entry[0] is not x_key or entry[1] is not routing or member in entry[3]:
@@ -167,7 +178,9 @@ class LoRALinear(nn.Module):
     `RoutingScope`, set by whoever runs the forward.
     """
 
-    def __init__(self, base_layer: nn.Linear, path: str, scope: RoutingScope, kernel: KernelName = "auto"):
+    def __init__(
+        self, base_layer: nn.Linear, path: str, scope: RoutingScope, kernel: KernelName = "auto"
+    ):
         super().__init__()
         self.base_layer = base_layer
         self.path = path
@@ -363,7 +376,9 @@ class BankSet:
 
     def check_slot(self, slot: int) -> SlotInfo:
         if not isinstance(slot, int) or isinstance(slot, bool) or not 1 <= slot < self.num_slots:
-            raise BankError(f"slot {slot!r} is not an adapter slot of bank {self.name!r} (1..{self.num_slots - 1})")
+            raise BankError(
+                f"slot {slot!r} is not an adapter slot of bank {self.name!r} (1..{self.num_slots - 1})"
+            )
         info = self.slots[slot]
         if info is None:
             raise BankError(f"slot {slot} of bank {self.name!r} is not allocated")
@@ -382,7 +397,9 @@ class BankSet:
             raise BankError("adapter targets is empty")
         return tuple(t for t in self.layers if t in set(spec.targets))
 
-    def allocate(self, spec: AdapterSpec, slot: int | None = None, *, initialize: bool = True) -> int:
+    def allocate(
+        self, spec: AdapterSpec, slot: int | None = None, *, initialize: bool = True
+    ) -> int:
         """Claims a slot for `spec` and initialises it as PEFT does (A random, B zero)."""
         spec.validate()
         if spec.rank > self.r_max:
@@ -391,10 +408,14 @@ class BankSet:
         if slot is None:
             free = self.free_slots()
             if not free:
-                raise BankError(f"no free slot in bank {self.name!r} (all {self.num_slots - 1} in use)")
+                raise BankError(
+                    f"no free slot in bank {self.name!r} (all {self.num_slots - 1} in use)"
+                )
             slot = free[0]
         elif not isinstance(slot, int) or not 1 <= slot < self.num_slots:
-            raise BankError(f"slot {slot!r} is not an adapter slot of bank {self.name!r} (1..{self.num_slots - 1})")
+            raise BankError(
+                f"slot {slot!r} is not an adapter slot of bank {self.name!r} (1..{self.num_slots - 1})"
+            )
         elif self.slots[slot] is not None:
             raise BankError(f"slot {slot} of bank {self.name!r} is already in use")
         self.slots[slot] = SlotInfo(spec=replace(spec, targets=targets), targets=targets)
@@ -425,11 +446,17 @@ class BankSet:
             layer = self.layers[path]
             # An expert's A has one expert's fan-in, as PEFT draws it.
             fan_in = layer.in_features // layer_experts(layer)
-            init = kaiming_uniform_A(rank, fan_in, init_seed(info.spec.seed, path, "A"), width=layer.in_features)
-            self.layer_banks[path].A[slot, :rank].copy_(init.view_as(self.layer_banks[path].A[slot, :rank]))
+            init = kaiming_uniform_A(
+                rank, fan_in, init_seed(info.spec.seed, path, "A"), width=layer.in_features
+            )
+            self.layer_banks[path].A[slot, :rank].copy_(
+                init.view_as(self.layer_banks[path].A[slot, :rank])
+            )
 
     # ------------------------------------------------------------ weights io
-    def split_row(self, row: torch.Tensor, rank: int, targets: Sequence[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def split_row(
+        self, row: torch.Tensor, rank: int, targets: Sequence[str]
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Views of a flat [P] row (params, grads or optimizer moments) as per-layer
         (A[rank, in], B[out, rank]): the layout-free form used by checkpoints and exports."""
         if row.shape != (self.row_size,):
@@ -441,12 +468,17 @@ class BankSet:
             layer_bank = self.layer_banks[path]
             (a0, a1), (b0, b1) = layer_bank.a_span, layer_bank.b_span
             A = row[a0:a1].view(r_store, layer.in_features)[:rank]
-            B = _b_view(row[b0:b1].unsqueeze(0), layer, r_store).view(layer.out_features, r_store)[:, :rank]
+            B = _b_view(row[b0:b1].unsqueeze(0), layer, r_store).view(layer.out_features, r_store)[
+                :, :rank
+            ]
             out[path] = (A, B)
         return out
 
     def join_row(
-        self, tensors: Mapping[str, tuple[torch.Tensor, torch.Tensor]], rank: int, targets: Sequence[str]
+        self,
+        tensors: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+        rank: int,
+        targets: Sequence[str],
     ) -> torch.Tensor:
         """Inverse of `split_row`: a fresh flat row, zero outside the given layers and rank."""
         row = torch.zeros(self.row_size, dtype=torch.float32, device=self.params.device)
@@ -464,21 +496,29 @@ class BankSet:
         return {path: (A.clone(), B.clone()) for path, (A, B) in views.items()}
 
     @torch.no_grad()
-    def load_slot_weights(self, slot: int, weights: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def load_slot_weights(
+        self, slot: int, weights: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
         """Writes A/B for an allocated slot; every targeted layer must be given, shapes exact."""
         info = self.check_slot(slot)
         rank = info.spec.rank
         missing = [p for p in info.targets if p not in weights]
         extra = [p for p in weights if p not in info.targets]
         if missing or extra:
-            raise BankError(f"weights for slot {slot} do not match its targets: missing {missing[:5]}, unexpected {extra[:5]}")
+            raise BankError(
+                f"weights for slot {slot} do not match its targets: missing {missing[:5]}, unexpected {extra[:5]}"
+            )
         for path in info.targets:
             A, B = weights[path]
             layer = self.layers[path]
             if tuple(A.shape) != (rank, layer.in_features):
-                raise BankError(f"{path}: A has shape {tuple(A.shape)}, expected {(rank, layer.in_features)}")
+                raise BankError(
+                    f"{path}: A has shape {tuple(A.shape)}, expected {(rank, layer.in_features)}"
+                )
             if tuple(B.shape) != (layer.out_features, rank):
-                raise BankError(f"{path}: B has shape {tuple(B.shape)}, expected {(layer.out_features, rank)}")
+                raise BankError(
+                    f"{path}: B has shape {tuple(B.shape)}, expected {(layer.out_features, rank)}"
+                )
             for which, t in (("A", A), ("B", B)):
                 if not torch.isfinite(t).all():
                     raise BankError(f"{path}: {which} contains NaN or inf")

@@ -222,7 +222,7 @@ class ExpertProjection:
         self.out_features = self.num_experts * self.expert_out_features
         self._banks: dict[str, LayerBank] = {}
         self._root: weakref.ref[nn.Module] | None = None
-        self._names: list[PerExpertName] | None | ExpertsError = None
+        self._names: list[PerExpertName] | ExpertsError | None = None
         self._names_known = False
 
     @property

@@ -93,7 +93,9 @@ def pick_kernel(
     return kernel
 
 
-def _native_for(kernel: KernelName, x: torch.Tensor, W: torch.Tensor) -> native.NativeKernels | None:
+def _native_for(
+    kernel: KernelName, x: torch.Tensor, W: torch.Tensor
+) -> native.NativeKernels | None:
     """The native kernels when this call may run them: kernel auto/native, no autograd
     through it, CPU, fp32 weights, an fp32/bf16 input with unit column stride."""
     if kernel not in ("auto", "native"):

@@ -100,4 +100,6 @@ def load_base(
     model.eval()
     model.to(device)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    return LoadedBase(model=model, tokenizer=tokenizer, model_id=model_id, path=path, dtype=torch_dtype)
+    return LoadedBase(
+        model=model, tokenizer=tokenizer, model_id=model_id, path=path, dtype=torch_dtype
+    )

@@ -9,7 +9,7 @@
  * layer otherwise). `lf_lora_add` runs both halves for one layer in one call: at decode the
  * Python around each call costs as much as its arithmetic.
  *
- * Numerics (relied on by tests/test_native_kernels.py):
+ * Numerics (relied on by tests/model/test_native_kernels.py):
  * - every output element is computed by the same sequence of fp32 operations whatever the
  *   other rows of the batch are: a token's delta never depends on who shares its forward;
  * - shrink: 16 lane-wise partial sums over k (k mod 16), added in a fixed tree, then the

@@ -39,7 +39,15 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("lora_cpu.c")
 ABI_VERSION = 4  # lf_abi_version() of the source this module speaks to
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-std=gnu11", "-shared", "-fPIC")
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-ffp-contract=off",
+    "-fno-math-errno",
+    "-std=gnu11",
+    "-shared",
+    "-fPIC",
+)
 OPENMP_FLAGS = ("-fopenmp",)
 ENV_SWITCH = "LORAFLEET_NATIVE_KERNELS"
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -131,7 +139,12 @@ def _library_path(compiler: str, flags: tuple[str, ...]) -> Path:
         [compiler, "--version"], capture_output=True, text=True, check=False, timeout=30
     ).stdout.splitlines()[:1]
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(flags).encode(), str(version).encode(), _cpu_identity().encode()):
+    for part in (
+        SOURCE.read_bytes(),
+        " ".join(flags).encode(),
+        str(version).encode(),
+        _cpu_identity().encode(),
+    ):
         digest.update(part)
         digest.update(b"\0")
     directory = cache_dir() / "native"
@@ -171,14 +184,53 @@ def _bind(path: Path) -> NativeKernels:
     if lib.lf_abi_version() != ABI_VERSION:
         raise NativeKernelError(f"{path} speaks ABI {lib.lf_abi_version()}, expected {ABI_VERSION}")
     shrink = lib.lf_shrink
-    shrink.argtypes = [_ptr, _i32, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i32]
+    shrink.argtypes = [
+        _ptr,
+        _i32,
+        _i64,
+        _i64,
+        _ptr,
+        _ptr,
+        _i64,
+        _ptr,
+        _i64,
+        _i64,
+        _ptr,
+        _ptr,
+        _ptr,
+        _i64,
+        _i32,
+    ]
     shrink.restype = ctypes.c_int
     expand = lib.lf_expand_add
-    expand.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _i32, _i64, _i32]
+    expand.argtypes = [
+        _ptr,
+        _i64,
+        _i64,
+        _ptr,
+        _ptr,
+        _i64,
+        _ptr,
+        _i64,
+        _i64,
+        _i64,
+        _ptr,
+        _i32,
+        _i64,
+        _i32,
+    ]
     expand.restype = ctypes.c_int
     lora_add = lib.lf_lora_add
     lora_add.argtypes = [
-        ctypes.POINTER(LayerPlan), ctypes.POINTER(RoutingPlan), _ptr, _i32, _i64, _ptr, _i32, _i64, _i32
+        ctypes.POINTER(LayerPlan),
+        ctypes.POINTER(RoutingPlan),
+        _ptr,
+        _i32,
+        _i64,
+        _ptr,
+        _i32,
+        _i64,
+        _i32,
     ]
     lora_add.restype = ctypes.c_int
     return NativeKernels(
@@ -228,7 +280,9 @@ def available() -> bool:
 def status() -> str:
     """One line for logs and benchmarks: which LoRA kernels a no-grad CPU forward runs."""
     loaded, reason = _load()
-    return f"native CPU LoRA kernels: {reason}" if loaded else f"native CPU LoRA kernels off: {reason}"
+    return (
+        f"native CPU LoRA kernels: {reason}" if loaded else f"native CPU LoRA kernels off: {reason}"
+    )
 
 
 @functools.cache
@@ -268,7 +322,9 @@ def shrink(
         scale.data_ptr(), hidden.data_ptr(), None, 0, torch.get_num_threads(),
     )  # fmt: skip
     if status_code != 0:
-        raise MemoryError(f"native LoRA shrink could not allocate its scratch ({in_features} features)")
+        raise MemoryError(
+            f"native LoRA shrink could not allocate its scratch ({in_features} features)"
+        )
     return hidden
 
 
@@ -291,7 +347,9 @@ def expand_add(
         y.data_ptr(), DTYPE_CODES[y.dtype], y.stride(0), torch.get_num_threads(),
     )  # fmt: skip
     if status_code != 0:
-        raise MemoryError(f"native LoRA expand could not allocate its scratch ({B.shape[1]} features)")
+        raise MemoryError(
+            f"native LoRA expand could not allocate its scratch ({B.shape[1]} features)"
+        )
 
 
 def layer_plan(A: torch.Tensor, B: torch.Tensor, row_rest: int | None = None) -> LayerPlan | None:
@@ -320,13 +378,27 @@ def layer_plan(A: torch.Tensor, B: torch.Tensor, row_rest: int | None = None) ->
     )  # fmt: skip
 
 
-def routing_plan(order: torch.Tensor, segments: torch.Tensor, token_scale: torch.Tensor) -> RoutingPlan:
+def routing_plan(
+    order: torch.Tensor, segments: torch.Tensor, token_scale: torch.Tensor
+) -> RoutingPlan:
     """The plan of a routing's `order`, `segments` and `token_scale` (CPU, as build_routing
     makes them for a CPU bank); the caller keeps the three tensors alive with it."""
-    for name, t, dtype in (("order", order, torch.int64), ("segments", segments, torch.int64), ("token_scale", token_scale, torch.float32)):
+    for name, t, dtype in (
+        ("order", order, torch.int64),
+        ("segments", segments, torch.int64),
+        ("token_scale", token_scale, torch.float32),
+    ):
         if not t.is_cpu or t.dtype != dtype or not t.is_contiguous():
-            raise NativeKernelError(f"routing {name} must be a contiguous CPU {dtype} tensor, got {t.dtype} on {t.device}")
-    return RoutingPlan(order.data_ptr(), segments.data_ptr(), segments.shape[0], token_scale.data_ptr(), order.shape[0])
+            raise NativeKernelError(
+                f"routing {name} must be a contiguous CPU {dtype} tensor, got {t.dtype} on {t.device}"
+            )
+    return RoutingPlan(
+        order.data_ptr(),
+        segments.data_ptr(),
+        segments.shape[0],
+        token_scale.data_ptr(),
+        order.shape[0],
+    )
 
 
 def lora_add(
@@ -339,7 +411,9 @@ def lora_add(
     rows (2-D, or contiguous): row t is at `t * stride(-2)`. Their sizes must be those of the
     plans (checked by the caller, which built both)."""
     if not ((x.dim() == 2 or x.is_contiguous()) and (y.dim() == 2 or y.is_contiguous())):
-        raise NativeKernelError(f"x {tuple(x.shape)} and y {tuple(y.shape)} need evenly spaced rows")
+        raise NativeKernelError(
+            f"x {tuple(x.shape)} and y {tuple(y.shape)} need evenly spaced rows"
+        )
     status_code = native.lora_add(
         layer, routing, x.data_ptr(), DTYPE_CODES[x.dtype], x.stride(-2),
         y.data_ptr(), DTYPE_CODES[y.dtype], y.stride(-2), torch.get_num_threads(),
@@ -369,7 +443,11 @@ def _self_check(native: NativeKernels) -> None:
     plan = layer_plan(A, B)
     assert plan is not None
     lora_add(native, plan, routing_plan(rows, segments, scale), x, fused)
-    if not (torch.allclose(hidden, want_hidden, atol=1e-4) and torch.allclose(y, want_y, atol=1e-4)):
+    if not (
+        torch.allclose(hidden, want_hidden, atol=1e-4) and torch.allclose(y, want_y, atol=1e-4)
+    ):
         raise NativeKernelError(f"{native.path} failed its self-check against torch")
     if not torch.equal(fused, y):
-        raise NativeKernelError(f"{native.path}: lf_lora_add differs from lf_shrink + lf_expand_add")
+        raise NativeKernelError(
+            f"{native.path}: lf_lora_add differs from lf_shrink + lf_expand_add"
+        )

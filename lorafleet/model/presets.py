@@ -291,7 +291,12 @@ _TINY_SEED = 0
 
 
 def _tiny_recipe(arch: str, config: Mapping[str, Any]) -> dict[str, Any]:
-    return {"arch": arch, "config": dict(config), "seed": _TINY_SEED, "tokenizer": _TOKENIZER_RECIPE}
+    return {
+        "arch": arch,
+        "config": dict(config),
+        "seed": _TINY_SEED,
+        "tokenizer": _TOKENIZER_RECIPE,
+    }
 
 
 # --------------------------------------------------------------------------- smollm2
@@ -343,19 +348,25 @@ PRESETS: dict[str, PresetSpec] = {
         PresetSpec(
             name="tiny-qwen3",
             description="Random-init 2-layer Qwen3 (hidden 64) with a 512-token BPE; for fast tests.",
-            builder=lambda out: _build_tiny(out, "Qwen3ForCausalLM", _TINY_QWEN3_CONFIG, _TINY_SEED),
+            builder=lambda out: _build_tiny(
+                out, "Qwen3ForCausalLM", _TINY_QWEN3_CONFIG, _TINY_SEED
+            ),
             recipe=_tiny_recipe("Qwen3ForCausalLM", _TINY_QWEN3_CONFIG),
         ),
         PresetSpec(
             name="tiny-llama",
             description="Random-init 2-layer Llama (hidden 128, tied embeddings) with the same BPE.",
-            builder=lambda out: _build_tiny(out, "LlamaForCausalLM", _TINY_LLAMA_CONFIG, _TINY_SEED),
+            builder=lambda out: _build_tiny(
+                out, "LlamaForCausalLM", _TINY_LLAMA_CONFIG, _TINY_SEED
+            ),
             recipe=_tiny_recipe("LlamaForCausalLM", _TINY_LLAMA_CONFIG),
         ),
         PresetSpec(
             name="tiny-qwen3-moe",
             description="Random-init 2-layer Qwen3-MoE (hidden 64, 4 experts, top-2) with the same BPE.",
-            builder=lambda out: _build_tiny(out, "Qwen3MoeForCausalLM", _TINY_QWEN3_MOE_CONFIG, _TINY_SEED),
+            builder=lambda out: _build_tiny(
+                out, "Qwen3MoeForCausalLM", _TINY_QWEN3_MOE_CONFIG, _TINY_SEED
+            ),
             recipe=_tiny_recipe("Qwen3MoeForCausalLM", _TINY_QWEN3_MOE_CONFIG),
         ),
         PresetSpec(

@@ -79,9 +79,7 @@ class Routing:
         return [slot for slot, count in enumerate(self.counts, start=1) if count > 0]
 
 
-def build_routing(
-    slot_ids: torch.Tensor, slot_scales: torch.Tensor, *, bank: str
-) -> Routing:
+def build_routing(slot_ids: torch.Tensor, slot_scales: torch.Tensor, *, bank: str) -> Routing:
     """Sorts tokens by slot once; every adapted layer of the forward reuses the result.
 
     `slot_ids` holds one slot per token (any shape, flattened in row-major order, matching the

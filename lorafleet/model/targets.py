@@ -91,7 +91,9 @@ def linear_layers(model: nn.Module) -> dict[str, LinearInfo]:
                     role = "attn"
                 else:
                     role = "mlp"
-                infos[child_path] = LinearInfo(child_path, linear.in_features, linear.out_features, role)
+                infos[child_path] = LinearInfo(
+                    child_path, linear.in_features, linear.out_features, role
+                )
             else:
                 visit(child, child_path, in_attention or _is_attention(child))
 
@@ -139,11 +141,15 @@ def resolve_target_modules(
     return tuple(sorted(chosen))
 
 
-def resolve_target_parameters(model: nn.Module, target_parameters: Sequence[str]) -> tuple[str, ...]:
+def resolve_target_parameters(
+    model: nn.Module, target_parameters: Sequence[str]
+) -> tuple[str, ...]:
     """PEFT's `target_parameters` for fused experts: a parameter matches when its path equals a
     name or ends with "." + name; every name must match at least one fused expert projection."""
     if isinstance(target_parameters, str) or not list(target_parameters):
-        raise TargetError(f"target_parameters must be a non-empty list of names, got {target_parameters!r}")
+        raise TargetError(
+            f"target_parameters must be a non-empty list of names, got {target_parameters!r}"
+        )
     params, unsupported = fused_expert_params(model)
     chosen: set[str] = set()
     for name in target_parameters:
@@ -152,7 +158,11 @@ def resolve_target_parameters(model: nn.Module, target_parameters: Sequence[str]
         matched = [p for p in params if _peft_match(p, [name])]
         if not matched:
             known = sorted({p.rsplit(".", 1)[-1] for p in params})
-            hint = f"; unsupported experts modules: {sorted(unsupported.values())[:1]}" if unsupported else ""
+            hint = (
+                f"; unsupported experts modules: {sorted(unsupported.values())[:1]}"
+                if unsupported
+                else ""
+            )
             raise TargetError(
                 f"target parameter {name!r} matches no fused expert projection of this model "
                 f"(expert parameters: {known}){hint}"
@@ -166,7 +176,11 @@ def resolve_tinker_targets(
 ) -> tuple[str, ...]:
     """Tinker's LoraConfig switches, mapped onto the model's structure (fused MoE expert
     projections count as MLP; their routers never count)."""
-    roles = {role for role, on in (("attn", train_attn), ("mlp", train_mlp), ("unembed", train_unembed)) if on}
+    roles = {
+        role
+        for role, on in (("attn", train_attn), ("mlp", train_mlp), ("unembed", train_unembed))
+        if on
+    }
     if not roles:
         raise TargetError("train_attn, train_mlp and train_unembed are all false: nothing to train")
     chosen = tuple(sorted(p for p, info in linear_layers(model).items() if info.role in roles))
@@ -175,7 +189,9 @@ def resolve_tinker_targets(
         if unsupported:
             # Training "the MLP" while skipping experts we cannot compute would be the silent
             # expert-LoRA drop this engine exists to avoid.
-            raise TargetError(f"train_mlp on a model whose experts cannot carry LoRA: {next(iter(unsupported.values()))}")
+            raise TargetError(
+                f"train_mlp on a model whose experts cannot carry LoRA: {next(iter(unsupported.values()))}"
+            )
         chosen = tuple(sorted(set(chosen) | set(experts)))
     if not chosen:
         raise TargetError(f"this model has no linear layer with role in {sorted(roles)}")

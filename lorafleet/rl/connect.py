@@ -53,7 +53,9 @@ def tenant_keys(run_dir: Path, names: list[str], given: list[str] | None) -> dic
     the run dir so a resumed embedded run authenticates as the same tenants."""
     if given:
         if len(given) < len(names):
-            raise ValueError(f"--api-key: {len(given)} key(s) for {len(names)} tenants; give one per tenant or set one")
+            raise ValueError(
+                f"--api-key: {len(given)} key(s) for {len(names)} tenants; give one per tenant or set one"
+            )
         return dict(zip(names, given, strict=False))
     path = run_dir / "api_keys.json"
     keys: dict[str, str] = json.loads(path.read_text()) if path.is_file() else {}
@@ -65,14 +67,26 @@ def tenant_keys(run_dir: Path, names: list[str], given: list[str] | None) -> dic
 
 
 def start_backend(
-    *, base_model: str, run_dir: Path, keys: list[str], base_url: str | None, dtype: str = "float32",
-    max_adapters: int = 8, max_rank: int = 32, torch_threads: int | None = None, max_sample_rows: int = 64,
+    *,
+    base_model: str,
+    run_dir: Path,
+    keys: list[str],
+    base_url: str | None,
+    dtype: str = "float32",
+    max_adapters: int = 8,
+    max_rank: int = 32,
+    torch_threads: int | None = None,
+    max_sample_rows: int = 64,
 ) -> Backend:
     """Starts the embedded server on a free loopback port unless `base_url` is given."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     if base_url:
-        return Backend(base_url=base_url.rstrip("/"), base_model=base_model, tokenizer_dir=_local_tokenizer(base_model))
+        return Backend(
+            base_url=base_url.rstrip("/"),
+            base_model=base_model,
+            tokenizer_dir=_local_tokenizer(base_model),
+        )
     from lorafleet.model.loader import resolve_base
     from lorafleet.server.executor import EngineConfig
     from lorafleet.server.main import ServerThread, free_port
@@ -81,11 +95,19 @@ def start_backend(
     _model_id, model_dir = resolve_base(base_model)
     data_dir = ensure_private_dir(run_dir / "server-data")
     engine = EngineConfig(
-        base_model=base_model, dtype=dtype, max_adapters=max_adapters, sampler_slots=max(8, 2 * max_adapters),
-        max_lora_rank=max_rank, max_sample_rows=max_sample_rows,
+        base_model=base_model,
+        dtype=dtype,
+        max_adapters=max_adapters,
+        sampler_slots=max(8, 2 * max_adapters),
+        max_lora_rank=max_rank,
+        max_sample_rows=max_sample_rows,
     )
     config = ServerConfig(
-        base_model=base_model, data_dir=data_dir, api_keys=list(keys), port=free_port(), engine=engine,
+        base_model=base_model,
+        data_dir=data_dir,
+        api_keys=list(keys),
+        port=free_port(),
+        engine=engine,
         torch_threads=torch_threads,
     )
     server = ServerThread(config)
@@ -101,10 +123,14 @@ def _local_tokenizer(base_model: str) -> Path | None:
 
         return resolve_base(base_model)[1]
     path = Path(base_model).expanduser()
-    return path if (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file() else None
+    return (
+        path
+        if (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file()
+        else None
+    )
 
 
-def load_tokenizer(backend: Backend, training_client: tinker.TrainingClient):  # noqa: ANN201 - HF type
+def load_tokenizer(backend: Backend, training_client: tinker.TrainingClient):  # HF type
     if backend.tokenizer_dir is not None:
         from transformers import AutoTokenizer
 

@@ -17,7 +17,9 @@ def group_advantages(rewards: Sequence[float]) -> list[float]:
     return [r - mean for r in rewards]
 
 
-def rl_datum(prompt: Sequence[int], sampled: Sequence[int], logprobs: Sequence[float], advantage: float) -> types.Datum:
+def rl_datum(
+    prompt: Sequence[int], sampled: Sequence[int], logprobs: Sequence[float], advantage: float
+) -> types.Datum:
     """input = prompt + sampled[:-1]; position i predicts target i. The prompt's P-1 target slots
     carry token 0 with logprob 0 and advantage 0, so only sampled tokens move the policy."""
     if len(sampled) != len(logprobs):
@@ -44,5 +46,8 @@ def sft_datum(tokens: Sequence[int], weights: Sequence[float]) -> types.Datum:
         raise ValueError("an SFT datum needs at least two tokens")
     return types.Datum(
         model_input=types.ModelInput.from_ints(list(tokens[:-1])),
-        loss_fn_inputs={"target_tokens": list(tokens[1:]), "weights": [float(w) for w in weights[1:]]},
+        loss_fn_inputs={
+            "target_tokens": list(tokens[1:]),
+            "weights": [float(w) for w in weights[1:]],
+        },
     )

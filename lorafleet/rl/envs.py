@@ -121,7 +121,10 @@ class ReasoningGymEnv:
 
     def problems(self, rng: random.Random, count: int) -> list[Problem]:
         dataset = self._module.create_dataset(self.task, size=count, seed=rng.randrange(1 << 31))
-        return [Problem(f"{entry['question']}\n{INSTRUCTION}", str(entry["answer"]), entry) for entry in dataset]
+        return [
+            Problem(f"{entry['question']}\n{INSTRUCTION}", str(entry["answer"]), entry)
+            for entry in dataset
+        ]
 
     def score(self, problem: Problem, completion: str) -> float:
         got = extract_answer(completion)
@@ -129,7 +132,9 @@ class ReasoningGymEnv:
             return float(self._scorer.score_answer(got, problem.entry))  # stateless per entry
         # Same shaping as ArithmeticEnv: partial credit when an untagged number scores.
         numbers = NUMBER_RE.findall(completion)[-5:]
-        best = max((float(self._scorer.score_answer(n, problem.entry)) for n in numbers), default=0.0)
+        best = max(
+            (float(self._scorer.score_answer(n, problem.entry)) for n in numbers), default=0.0
+        )
         return self.partial * best
 
 
@@ -144,13 +149,17 @@ def make_env(task: str) -> Env:
             raise ValueError(f"task {task!r}: write rg:<name>, e.g. rg:chain_sum")
         return ReasoningGymEnv(arg)
     if name not in BUILTIN:
-        raise ValueError(f"unknown task {task!r}; use one of {', '.join(BUILTIN)} or rg:<reasoning-gym task>")
+        raise ValueError(
+            f"unknown task {task!r}; use one of {', '.join(BUILTIN)} or rg:<reasoning-gym task>"
+        )
     if not arg:
         return BUILTIN[name]()
     try:
         max_operand = int(arg)
     except ValueError:
-        raise ValueError(f"task {task!r}: the part after ':' must be the max operand, an integer") from None
+        raise ValueError(
+            f"task {task!r}: the part after ':' must be the max operand, an integer"
+        ) from None
     if max_operand < 1:
         raise ValueError(f"task {task!r}: max operand must be >= 1")
     return BUILTIN[name](max_operand=max_operand)

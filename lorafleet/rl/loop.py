@@ -49,14 +49,22 @@ class TenantConfig:
     def validate(self) -> None:
         safe_name(self.name, "tenant name")
         if self.loss_fn not in LOSSES:
-            raise ValueError(f"tenant {self.name}: loss {self.loss_fn!r} is not one of {', '.join(LOSSES)}")
+            raise ValueError(
+                f"tenant {self.name}: loss {self.loss_fn!r} is not one of {', '.join(LOSSES)}"
+            )
         for key in ("rank", "prompts_per_step", "group_size", "max_tokens"):
             if getattr(self, key) < 1:
-                raise ValueError(f"tenant {self.name}: {key} must be >= 1, got {getattr(self, key)}")
+                raise ValueError(
+                    f"tenant {self.name}: {key} must be >= 1, got {getattr(self, key)}"
+                )
         if self.group_size < 2:
-            raise ValueError(f"tenant {self.name}: group_size must be >= 2 (advantages are centred per group)")
+            raise ValueError(
+                f"tenant {self.name}: group_size must be >= 2 (advantages are centred per group)"
+            )
         if not self.learning_rate > 0:
-            raise ValueError(f"tenant {self.name}: learning_rate must be > 0, got {self.learning_rate}")
+            raise ValueError(
+                f"tenant {self.name}: learning_rate must be > 0, got {self.learning_rate}"
+            )
 
 
 @dataclass
@@ -100,13 +108,19 @@ class Checkpoint:
             return None
         data = json.loads(path.read_text())
         try:
-            return cls(step=int(data["step"]), state_path=str(data["state_path"]), sampler_path=str(data["sampler_path"]))
+            return cls(
+                step=int(data["step"]),
+                state_path=str(data["state_path"]),
+                sampler_path=str(data["sampler_path"]),
+            )
         except KeyError as exc:
             raise ValueError(f"{path}: missing field {exc}") from None
 
 
 def render_prompt(tokenizer: Any, question: str) -> list[int]:
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True
+    )
     if not isinstance(ids, list):  # transformers 5 may return a BatchEncoding
         ids = ids["input_ids"]
     return [int(t) for t in ids]
@@ -119,8 +133,14 @@ def step_seed(seed: int, step: int, index: int = 0) -> int:
 
 class TenantRunner:
     def __init__(
-        self, cfg: TenantConfig, run: RLConfig, backend: Backend, api_key: str, progress: Progress,
-        stop: threading.Event, on_step: StepHook | None = None,
+        self,
+        cfg: TenantConfig,
+        run: RLConfig,
+        backend: Backend,
+        api_key: str,
+        progress: Progress,
+        stop: threading.Event,
+        on_step: StepHook | None = None,
     ):
         self.cfg, self.run_cfg, self.backend, self.api_key = cfg, run, backend, api_key
         self.progress, self.stop, self.on_step = progress, stop, on_step
@@ -141,7 +161,9 @@ class TenantRunner:
         finally:
             if self.service is not None:
                 try:
-                    self.service.close("errored" if self.result.error else "success").result(timeout=30)
+                    self.service.close("errored" if self.result.error else "success").result(
+                        timeout=30
+                    )
                 except (tinker.TinkerError, TimeoutError, OSError) as exc:
                     self.result.error = self.result.error or f"close: {exc}"
             self.done.set()
@@ -151,13 +173,22 @@ class TenantRunner:
         self.service = self.backend.client(self.api_key)
         checkpoint = Checkpoint.read(self.dir / "state.json") if self.run_cfg.resume else None
         if checkpoint is not None:
-            tc = self.service.create_training_client_from_state_with_optimizer(checkpoint.state_path).result()
+            tc = self.service.create_training_client_from_state_with_optimizer(
+                checkpoint.state_path
+            ).result()
             start = checkpoint.step
-            self.result.state_path, self.result.sampler_path = checkpoint.state_path, checkpoint.sampler_path
+            self.result.state_path, self.result.sampler_path = (
+                checkpoint.state_path,
+                checkpoint.sampler_path,
+            )
             del self.metrics.rows[:]  # keep only steps the checkpoint includes
-            self.metrics.rows.extend(r for r in read_rows(self.dir / "metrics.jsonl") if r["step"] < start)
+            self.metrics.rows.extend(
+                r for r in read_rows(self.dir / "metrics.jsonl") if r["step"] < start
+            )
         else:
-            tc = self.service.create_lora_training_client(self.backend.base_model, rank=cfg.rank, seed=cfg.seed).result()
+            tc = self.service.create_lora_training_client(
+                self.backend.base_model, rank=cfg.rank, seed=cfg.seed
+            ).result()
             start = 0
         tokenizer = load_tokenizer(self.backend, tc)
         self.progress.add(cfg.name, self.run_cfg.steps, start)
@@ -184,7 +215,9 @@ class TenantRunner:
         if step > saved or self.result.sampler_path is None:
             self._save(tc, step)  # Ctrl-C or the last step
         if self.result.sampler_path is not None:
-            exported = export_adapter(self.backend, self.api_key, self.result.sampler_path, self.dir / "adapter")
+            exported = export_adapter(
+                self.backend, self.api_key, self.result.sampler_path, self.dir / "adapter"
+            )
             self.result.adapter_dir = None if exported is None else str(exported)
 
     def _save(self, tc: tinker.TrainingClient, step: int) -> None:
@@ -203,8 +236,13 @@ class TenantRunner:
         prompts = [render_prompt(tokenizer, p.question) for p in problems]
         futures = [
             sampler.sample(
-                types.ModelInput.from_ints(prompt), cfg.group_size,
-                types.SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, seed=step_seed(cfg.seed, step, i)),
+                types.ModelInput.from_ints(prompt),
+                cfg.group_size,
+                types.SamplingParams(
+                    max_tokens=cfg.max_tokens,
+                    temperature=cfg.temperature,
+                    seed=step_seed(cfg.seed, step, i),
+                ),
             )
             for i, prompt in enumerate(prompts)
         ]
@@ -214,7 +252,9 @@ class TenantRunner:
         rewards_all: list[float] = []
         tagged = sampled_tokens = 0
         for problem, prompt, response in zip(problems, prompts, responses, strict=True):
-            texts = [tokenizer.decode(s.tokens, skip_special_tokens=True) for s in response.sequences]
+            texts = [
+                tokenizer.decode(s.tokens, skip_special_tokens=True) for s in response.sequences
+            ]
             rewards = [self.env.score(problem, text) for text in texts]
             tagged += sum(extract_answer(text) is not None for text in texts)
             rewards_all.extend(rewards)
@@ -271,21 +311,37 @@ def run_rl(config: RLConfig, *, on_step: StepHook | None = None) -> dict[str, Te
     if not config.resume:
         taken = [n for n in names if (run_dir / n / "state.json").exists()]
         if taken:
-            raise ValueError(f"{run_dir} already holds a run for {', '.join(taken)}: pass --resume or use another --run-dir")
+            raise ValueError(
+                f"{run_dir} already holds a run for {', '.join(taken)}: pass --resume or use another --run-dir"
+            )
     keys = tenant_keys(run_dir, names, config.api_keys)
-    atomic_write_json(run_dir / "config.json", {**asdict(config), "run_dir": str(run_dir), "api_keys": None})
+    atomic_write_json(
+        run_dir / "config.json", {**asdict(config), "run_dir": str(run_dir), "api_keys": None}
+    )
     rows_per_step = sum(t.prompts_per_step * t.group_size for t in config.tenants)
     backend = start_backend(
-        base_model=config.base_model, run_dir=run_dir, keys=list(keys.values()), base_url=config.base_url,
-        dtype=config.dtype, max_adapters=max(2, len(names)), max_rank=max(max(t.rank for t in config.tenants), 8),
-        torch_threads=config.torch_threads, max_sample_rows=min(max(rows_per_step, 16), 256),
+        base_model=config.base_model,
+        run_dir=run_dir,
+        keys=list(keys.values()),
+        base_url=config.base_url,
+        dtype=config.dtype,
+        max_adapters=max(2, len(names)),
+        max_rank=max(max(t.rank for t in config.tenants), 8),
+        torch_threads=config.torch_threads,
+        max_sample_rows=min(max(rows_per_step, 16), 256),
     )
     stop = threading.Event()
     interrupted = False
     try:
         with Progress(config.progress) as progress:
-            runners = [TenantRunner(t, config, backend, keys[t.name], progress, stop, on_step) for t in config.tenants]
-            threads = [threading.Thread(target=r.run, name=f"rl-{r.cfg.name}", daemon=True) for r in runners]
+            runners = [
+                TenantRunner(t, config, backend, keys[t.name], progress, stop, on_step)
+                for t in config.tenants
+            ]
+            threads = [
+                threading.Thread(target=r.run, name=f"rl-{r.cfg.name}", daemon=True)
+                for r in runners
+            ]
             for thread in threads:
                 thread.start()
             # Poll with sleep, not join(timeout): a KeyboardInterrupt inside Thread.join can
@@ -298,7 +354,9 @@ def run_rl(config: RLConfig, *, on_step: StepHook | None = None) -> dict[str, Te
                         raise  # a second Ctrl-C: stop waiting for the saves
                     interrupted = True
                     stop.set()
-                    print("\ninterrupted: each tenant finishes its step, saves and stops (Ctrl-C again to abort)")
+                    print(
+                        "\ninterrupted: each tenant finishes its step, saves and stops (Ctrl-C again to abort)"
+                    )
             for thread in threads:
                 thread.join()
     finally:
@@ -312,20 +370,33 @@ def finish(config: RLConfig, results: dict[str, TenantResult], interrupted: bool
     run_dir = config.run_dir
     curves = {name: r.metrics for name, r in results.items()}
     png = plot_curves(run_dir / "reward.png", curves, "reward_mean", "mean reward")
-    summary = {name: {k: v for k, v in asdict(r).items() if k != "metrics"} | _summary(r.metrics) for name, r in results.items()}
+    summary = {
+        name: {k: v for k, v in asdict(r).items() if k != "metrics"} | _summary(r.metrics)
+        for name, r in results.items()
+    }
     atomic_write_json(run_dir / "summary.json", {"interrupted": interrupted, "tenants": summary})
     rows = []
     for cfg in config.tenants:
         s = summary[cfg.name]
-        rows.append([
-            cfg.name, cfg.task, s["steps"], _fmt(s["reward_first"]), _fmt(s["reward_last"]), f"{s['seconds']:.0f}s",
-            s["error"] or s["adapter_dir"] or s["sampler_path"] or "-",
-        ])
+        rows.append(
+            [
+                cfg.name,
+                cfg.task,
+                s["steps"],
+                _fmt(s["reward_first"]),
+                _fmt(s["reward_last"]),
+                f"{s['seconds']:.0f}s",
+                s["error"] or s["adapter_dir"] or s["sampler_path"] or "-",
+            ]
+        )
     print_table(
         "lorafleet rl" + (" (interrupted)" if interrupted else ""),
-        ["tenant", "task", "steps", "reward first", "reward last", "time", "adapter (PEFT)"], rows,
+        ["tenant", "task", "steps", "reward first", "reward last", "time", "adapter (PEFT)"],
+        rows,
     )
-    print(f"reward curve: {png}\nmetrics: {run_dir}/<tenant>/metrics.jsonl; resume with --resume --run-dir {run_dir}")
+    print(
+        f"reward curve: {png}\nmetrics: {run_dir}/<tenant>/metrics.jsonl; resume with --resume --run-dir {run_dir}"
+    )
 
 
 def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -343,5 +414,3 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
-
-

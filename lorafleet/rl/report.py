@@ -51,8 +51,11 @@ class Progress:
             from rich.progress import Progress as RichProgress
 
             self._progress = RichProgress(
-                TextColumn("[bold]{task.description:<12}"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("{task.fields[stats]}"), TimeElapsedColumn(),
+                TextColumn("[bold]{task.description:<12}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[stats]}"),
+                TimeElapsedColumn(),
             )
 
     def __enter__(self) -> Progress:
@@ -67,7 +70,9 @@ class Progress:
     def add(self, name: str, total: int, done: int) -> None:
         if self._progress is not None:
             with self._lock:
-                self._tasks[name] = self._progress.add_task(name, total=total, completed=done, stats="")
+                self._tasks[name] = self._progress.add_task(
+                    name, total=total, completed=done, stats=""
+                )
 
     def update(self, name: str, done: int, stats: str) -> None:
         if self._progress is not None:
@@ -75,7 +80,9 @@ class Progress:
                 self._progress.update(self._tasks[name], completed=done, stats=stats)
 
 
-def plot_curves(path: Path, curves: dict[str, Sequence[dict[str, Any]]], key: str, ylabel: str) -> Path:
+def plot_curves(
+    path: Path, curves: dict[str, Sequence[dict[str, Any]]], key: str, ylabel: str
+) -> Path:
     """One line per tenant of `key` against `step`, written atomically as a PNG."""
     import matplotlib
 

@@ -55,7 +55,11 @@ def encode_row(tokenizer: Any, row: Any, where: str) -> tuple[list[int], list[fl
         if not isinstance(messages, list) or not messages:
             raise ValueError(f"{where}: 'messages' must be a non-empty list")
         for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            if (
+                not isinstance(m, dict)
+                or not isinstance(m.get("role"), str)
+                or not isinstance(m.get("content"), str)
+            ):
                 raise ValueError(f"{where}: messages[{i}] needs string 'role' and 'content'")
         if not any(m["role"] == "assistant" for m in messages):
             raise ValueError(f"{where}: no assistant message to train on")
@@ -66,20 +70,32 @@ def encode_row(tokenizer: Any, row: Any, where: str) -> tuple[list[int], list[fl
                 continue
             # The assistant turn is what the full render adds beyond the generation prompt; this
             # relies on the template rendering prefixes stably (ChatML does), so check it.
-            start = len(_ids(tokenizer.apply_chat_template(messages[:i], tokenize=True, add_generation_prompt=True)))
+            start = len(
+                _ids(
+                    tokenizer.apply_chat_template(
+                        messages[:i], tokenize=True, add_generation_prompt=True
+                    )
+                )
+            )
             prefix = _ids(tokenizer.apply_chat_template(messages[: i + 1], tokenize=True))
             end = len(prefix)
             if tokens[:end] != prefix:
-                raise ValueError(f"{where}: the chat template does not render message prefixes stably; use prompt/completion rows")
+                raise ValueError(
+                    f"{where}: the chat template does not render message prefixes stably; use prompt/completion rows"
+                )
             weights[start:end] = [1.0] * (end - start)
         return tokens, weights
     if "prompt" in row and "completion" in row:
         if not isinstance(row["prompt"], str) or not isinstance(row["completion"], str):
             raise ValueError(f"{where}: 'prompt' and 'completion' must be strings")
         prompt = _ids(tokenizer(row["prompt"], add_special_tokens=False))
-        completion = _ids(tokenizer(row["completion"] + (tokenizer.eos_token or ""), add_special_tokens=False))
+        completion = _ids(
+            tokenizer(row["completion"] + (tokenizer.eos_token or ""), add_special_tokens=False)
+        )
         return prompt + completion, [0.0] * len(prompt) + [1.0] * len(completion)
-    raise ValueError(f"{where}: a row needs 'messages' or both 'prompt' and 'completion' (got keys {sorted(row)})")
+    raise ValueError(
+        f"{where}: a row needs 'messages' or both 'prompt' and 'completion' (got keys {sorted(row)})"
+    )
 
 
 def load_rows(path: Path) -> list[tuple[int, Any]]:
@@ -95,7 +111,9 @@ def load_rows(path: Path) -> list[tuple[int, Any]]:
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
     if len(rows) < 2:
-        raise ValueError(f"{path}: needs at least 2 rows (one to train on, one held out), has {len(rows)}")
+        raise ValueError(
+            f"{path}: needs at least 2 rows (one to train on, one held out), has {len(rows)}"
+        )
     return rows
 
 
@@ -114,15 +132,25 @@ def run_sft(config: SFTConfig) -> dict[str, Any]:
     run_dir = ensure_private_dir(config.run_dir)
     key = tenant_keys(run_dir, ["sft"], [config.api_key] if config.api_key else None)["sft"]
     backend = start_backend(
-        base_model=config.base_model, run_dir=run_dir, keys=[key], base_url=config.base_url, dtype=config.dtype,
-        max_adapters=2, max_rank=max(config.rank, 8),
+        base_model=config.base_model,
+        run_dir=run_dir,
+        keys=[key],
+        base_url=config.base_url,
+        dtype=config.dtype,
+        max_adapters=2,
+        max_rank=max(config.rank, 8),
     )
     service = backend.client(key)
     metrics = MetricsLog(run_dir / "metrics.jsonl", resume=False)
     try:
-        tc = service.create_lora_training_client(backend.base_model, rank=config.rank, seed=config.seed).result()
+        tc = service.create_lora_training_client(
+            backend.base_model, rank=config.rank, seed=config.seed
+        ).result()
         tokenizer = load_tokenizer(backend, tc)
-        datums = [sft_datum(*encode_row(tokenizer, row, f"{config.data}:{number}")) for number, row in rows]
+        datums = [
+            sft_datum(*encode_row(tokenizer, row, f"{config.data}:{number}"))
+            for number, row in rows
+        ]
         order = list(range(len(datums)))
         random.Random(config.seed).shuffle(order)
         n_eval = max(1, round(len(order) * config.eval_fraction))
@@ -145,7 +173,12 @@ def run_sft(config: SFTConfig) -> dict[str, Any]:
                 if step % config.eval_every == 0 or step == config.steps:
                     row["eval_loss"] = _mean_loss(tc, held_out)
                 metrics.append(row)
-                progress.update("sft", step, f"train {train_loss:.3f}" + (f"  held-out {row['eval_loss']:.3f}" if row["eval_loss"] else ""))
+                progress.update(
+                    "sft",
+                    step,
+                    f"train {train_loss:.3f}"
+                    + (f"  held-out {row['eval_loss']:.3f}" if row["eval_loss"] else ""),
+                )
         sampler_path = tc.save_weights_for_sampler("final").result().path
         state_path = tc.save_state("final").result().path
         adapter = export_adapter(backend, key, sampler_path, run_dir / "adapter")
@@ -154,12 +187,33 @@ def run_sft(config: SFTConfig) -> dict[str, Any]:
         backend.close()
     last_eval = metrics.rows[-1]["eval_loss"]
     summary = {
-        "train_rows": len(train), "held_out_rows": len(held_out), "eval_loss_before": first_eval,
-        "eval_loss_after": last_eval, "seconds": time.perf_counter() - start, "sampler_path": sampler_path,
-        "state_path": state_path, "adapter_dir": None if adapter is None else str(adapter), "config": asdict(config),
+        "train_rows": len(train),
+        "held_out_rows": len(held_out),
+        "eval_loss_before": first_eval,
+        "eval_loss_after": last_eval,
+        "seconds": time.perf_counter() - start,
+        "sampler_path": sampler_path,
+        "state_path": state_path,
+        "adapter_dir": None if adapter is None else str(adapter),
+        "config": asdict(config),
     }
     atomic_write_json(run_dir / "summary.json", json.loads(json.dumps(summary, default=str)))
-    plot_curves(run_dir / "loss.png", {"held-out": [r for r in metrics.rows if r["eval_loss"] is not None]}, "eval_loss", "held-out loss / token")
-    print_table("lorafleet sft", ["rows (train/held-out)", "held-out loss before", "after", "adapter (PEFT)"],
-                [[f"{len(train)}/{len(held_out)}", f"{first_eval:.4f}", f"{last_eval:.4f}", summary["adapter_dir"] or sampler_path]])
+    plot_curves(
+        run_dir / "loss.png",
+        {"held-out": [r for r in metrics.rows if r["eval_loss"] is not None]},
+        "eval_loss",
+        "held-out loss / token",
+    )
+    print_table(
+        "lorafleet sft",
+        ["rows (train/held-out)", "held-out loss before", "after", "adapter (PEFT)"],
+        [
+            [
+                f"{len(train)}/{len(held_out)}",
+                f"{first_eval:.4f}",
+                f"{last_eval:.4f}",
+                summary["adapter_dir"] or sampler_path,
+            ]
+        ],
+    )
     return summary

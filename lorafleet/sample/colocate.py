@@ -42,7 +42,9 @@ def colocate(
     """Wraps `model` once; `train_slots`/`sample_slots` adapters (slot 0, the base, not counted)."""
     adapted = AdaptedModel(model, layer_paths, kernel=kernel)
     adapted.add_bank("train", num_slots=train_slots + 1, r_max=r_max)
-    sample_bank = adapted.add_bank("sample", num_slots=sample_slots + 1, r_max=r_max, trainable=False)
+    sample_bank = adapted.add_bank(
+        "sample", num_slots=sample_slots + 1, r_max=r_max, trainable=False
+    )
     trainer = TrainEngine(adapted, bank="train", base_model_id=base_model_id)
     versions = VersionStore(sample_bank, base_model_id=base_model_id)
     sampler = SampleEngine(adapted, versions, tokenizer=tokenizer, max_rows=max_rows)

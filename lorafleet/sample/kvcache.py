@@ -77,7 +77,9 @@ class RowCache(Cache):
         self.current: ForwardPlan | None = None
 
     # ------------------------------------------------------------------ layout
-    def _allocate_layer(self, layer: _RowLayer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    def _allocate_layer(
+        self, layer: _RowLayer, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> None:
         _, heads, _, k_dim = key_states.shape
         v_dim = value_states.shape[-1]
         layer.keys = key_states.new_zeros(self.num_rows, heads, self.capacity, k_dim)
@@ -108,7 +110,9 @@ class RowCache(Cache):
         self.current = None
 
     # ------------------------------------------------------------------ forwards
-    def plan(self, rows: slice, starts: torch.Tensor, q: int, *, dtype: torch.dtype, additive: bool) -> tuple[ForwardPlan, torch.Tensor, torch.Tensor]:
+    def plan(
+        self, rows: slice, starts: torch.Tensor, q: int, *, dtype: torch.dtype, additive: bool
+    ) -> tuple[ForwardPlan, torch.Tensor, torch.Tensor]:
         """Sets up the next forward: returns (plan, 4-D attention mask, position_ids [n, q]).
 
         `additive` gives a float mask (0 / -inf style) for eager attention; otherwise a bool
@@ -132,7 +136,9 @@ class RowCache(Cache):
         allowed = columns.view(1, 1, kv_len) <= positions.unsqueeze(2)  # [n, q, kv]
         mask = allowed.unsqueeze(1)
         if additive:
-            mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask, torch.finfo(dtype).min)
+            mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(
+                ~mask, torch.finfo(dtype).min
+            )
         plan = ForwardPlan(rows=rows, starts=starts, q=q, uniform_start=uniform, kv_len=kv_len)
         self.current = plan
         return plan, mask, positions

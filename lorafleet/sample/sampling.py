@@ -70,21 +70,33 @@ def _inverse_cdf(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
     """
     rows, vocab = probs.shape
     num_chunks = -(-vocab // CDF_CHUNK)
-    padded = torch.nn.functional.pad(probs, (0, num_chunks * CDF_CHUNK - vocab)) if vocab % CDF_CHUNK else probs
+    padded = (
+        torch.nn.functional.pad(probs, (0, num_chunks * CDF_CHUNK - vocab))
+        if vocab % CDF_CHUNK
+        else probs
+    )
     chunks = padded.view(rows, num_chunks, CDF_CHUNK)
     chunk_cdf = chunks.sum(-1).to(torch.float64).cumsum(-1)  # [R, C]
     total = chunk_cdf[:, -1:]
     # Strictly below the total, so the chunk found has non-zero mass.
-    targets = torch.minimum(draws.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    targets = torch.minimum(
+        draws.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total))
+    )
     chunk = torch.searchsorted(chunk_cdf, targets, right=True).clamp_(max=num_chunks - 1)  # [R, 1]
-    before = torch.where(chunk > 0, chunk_cdf.gather(1, (chunk - 1).clamp(min=0)), torch.zeros_like(targets))
-    picked_chunk = chunks.gather(1, chunk.unsqueeze(2).expand(rows, 1, CDF_CHUNK)).squeeze(1)  # [R, CHUNK]
+    before = torch.where(
+        chunk > 0, chunk_cdf.gather(1, (chunk - 1).clamp(min=0)), torch.zeros_like(targets)
+    )
+    picked_chunk = chunks.gather(1, chunk.unsqueeze(2).expand(rows, 1, CDF_CHUNK)).squeeze(
+        1
+    )  # [R, CHUNK]
     within = before + picked_chunk.to(torch.float64).cumsum(-1)
     index = torch.searchsorted(within, targets, right=True)
     # Summation order differs between the chunk total and its cumsum, so a draw at the very top
     # of a chunk can land one past its end: take the chunk's last token with non-zero mass.
     positions = torch.arange(CDF_CHUNK, device=probs.device).expand(rows, CDF_CHUNK)
-    last_nonzero = torch.where(picked_chunk > 0, positions, torch.full_like(positions, -1)).amax(-1, keepdim=True)
+    last_nonzero = torch.where(picked_chunk > 0, positions, torch.full_like(positions, -1)).amax(
+        -1, keepdim=True
+    )
     index = torch.minimum(index, last_nonzero)
     return (chunk * CDF_CHUNK + index).squeeze(1)
 
@@ -115,7 +127,9 @@ def choose_tokens(
     scaled = subset.float() / temps.unsqueeze(1)
     scaled = _filter_top_p(_filter_top_k(scaled, ks), ps)
     probs = torch.softmax(scaled, dim=-1)
-    draws = torch.cat([torch.rand(1, generator=generators[r], dtype=torch.float64) for r in random_rows])
+    draws = torch.cat(
+        [torch.rand(1, generator=generators[r], dtype=torch.float64) for r in random_rows]
+    )
     picked = _inverse_cdf(probs, draws.to(device)).clamp_(max=vocab - 1)
     if every_row:
         return picked
@@ -130,4 +144,6 @@ def gather_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor) -> torch.Tenso
 def topk_lists(logprobs: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
     """Per row, the k most likely (token, log-prob) pairs, best first."""
     values, ids = torch.topk(logprobs, k, dim=-1)
-    return [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+    return [
+        list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)
+    ]

@@ -68,7 +68,11 @@ def _int(value: object, name: str, *, low: int | None = None) -> int:
 
 
 def _float(value: object, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(float(value)):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(float(value))
+    ):
         raise RequestError(f"{name} must be a finite number, got {value!r}")
     return float(value)
 
@@ -85,7 +89,9 @@ def _adapter(value: object) -> VersionKey | None:
         or not isinstance(value[1], int)
         or value[1] < 0
     ):
-        raise RequestError(f"adapter must be None or (adapter_id: str, version: int >= 0), got {value!r}")
+        raise RequestError(
+            f"adapter must be None or (adapter_id: str, version: int >= 0), got {value!r}"
+        )
     return value
 
 
@@ -105,7 +111,9 @@ def _prompt(value: object, limits: ModelLimits) -> torch.Tensor:
     if low < 0 or high >= limits.vocab_size:
         bad = low if low < 0 else high
         where = int((tokens == bad).nonzero()[0])
-        raise RequestError(f"prompt token {bad} at position {where} is outside the vocabulary [0, {limits.vocab_size})")
+        raise RequestError(
+            f"prompt token {bad} at position {where} is outside the vocabulary [0, {limits.vocab_size})"
+        )
     if tokens.numel() >= limits.context:
         raise RequestError(
             f"prompt has {tokens.numel()} tokens; the context length is {limits.context}, "
@@ -120,17 +128,23 @@ def _stop(value: object, limits: ModelLimits) -> StopSpec:
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list | tuple):
-        raise RequestError(f"stop must be None, a string, or a list of strings or token ids, got {value!r}")
+        raise RequestError(
+            f"stop must be None, a string, or a list of strings or token ids, got {value!r}"
+        )
     if all(isinstance(s, str) for s in value):
         if any(s == "" for s in value):
             raise RequestError("stop strings must not be empty")
         if value and not limits.has_tokenizer:
-            raise RequestError("stop strings need a tokenizer, and this sampler has none; pass token ids")
+            raise RequestError(
+                "stop strings need a tokenizer, and this sampler has none; pass token ids"
+            )
         return StopSpec(token_ids=frozenset(), strings=tuple(dict.fromkeys(value)))
     if all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         bad = [t for t in value if not 0 <= t < limits.vocab_size]
         if bad:
-            raise RequestError(f"stop token ids {bad[:5]} are outside the vocabulary [0, {limits.vocab_size})")
+            raise RequestError(
+                f"stop token ids {bad[:5]} are outside the vocabulary [0, {limits.vocab_size})"
+            )
         return StopSpec(token_ids=frozenset(value), strings=())
     raise RequestError(f"stop must be all strings or all token ids, got {list(value)[:5]!r}")
 
@@ -163,7 +177,9 @@ def prepare_request(index: int, request: SampleRequest, limits: ModelLimits) -> 
     seed = None if params.seed is None else _int(params.seed, "seed")
     num_samples = _int(request.num_samples, "num_samples", low=1)
     if not isinstance(request.prompt_logprobs, bool):
-        raise RequestError(f"prompt_logprobs must be true or false, got {request.prompt_logprobs!r}")
+        raise RequestError(
+            f"prompt_logprobs must be true or false, got {request.prompt_logprobs!r}"
+        )
     topk_prompt = _int(request.topk_prompt_logprobs, "topk_prompt_logprobs", low=0)
     topk_sample = _int(request.topk_sample_logprobs, "topk_sample_logprobs", low=0)
     for name, k in (("topk_prompt_logprobs", topk_prompt), ("topk_sample_logprobs", topk_sample)):
@@ -186,7 +202,9 @@ def prepare_request(index: int, request: SampleRequest, limits: ModelLimits) -> 
     )
 
 
-def prepare_all(requests: list[SampleRequest], limits: ModelLimits) -> list[PreparedRequest | SampleError]:
+def prepare_all(
+    requests: list[SampleRequest], limits: ModelLimits
+) -> list[PreparedRequest | SampleError]:
     out: list[PreparedRequest | SampleError] = []
     for index, request in enumerate(requests):
         try:

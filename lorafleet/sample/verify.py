@@ -72,11 +72,18 @@ def trainer_canary_logprobs(trainer: TrainEngine, slot: int, tokens: Sequence[in
     targets = torch.cat([seq[1:], seq[:1]])
     weights = torch.ones(seq.numel())
     weights[-1] = 0.0
-    item = TrainItem(slot=slot, tokens=seq, loss_fn="cross_entropy", loss_inputs={"target_tokens": targets, "weights": weights})
+    item = TrainItem(
+        slot=slot,
+        tokens=seq,
+        loss_fn="cross_entropy",
+        loss_inputs={"target_tokens": targets, "weights": weights},
+    )
     return trainer.forward([item]).items[0].logprobs.float()[:-1].cpu()
 
 
-def _sampler_logprobs(sampler: SampleEngine, key: VersionKey | None, tokens: list[int]) -> torch.Tensor:
+def _sampler_logprobs(
+    sampler: SampleEngine, key: VersionKey | None, tokens: list[int]
+) -> torch.Tensor:
     """Prompt log-probs through the real sampling path, one request per call (one row, the
     trainer's shape)."""
     params = SamplingParams(max_tokens=1, temperature=0.0, stop=[])
@@ -104,7 +111,9 @@ def canary_check(
         try:
             tolerance = TOLERANCES[sampler.dtype]
         except KeyError:
-            raise ValueError(f"no canary tolerance for dtype {sampler.dtype}; pass tolerance=") from None
+            raise ValueError(
+                f"no canary tolerance for dtype {sampler.dtype}; pass tolerance="
+            ) from None
     ours = _sampler_logprobs(sampler, key, canary)
     base = _sampler_logprobs(sampler, None, canary)
     theirs = trainer_canary_logprobs(trainer, trainer_slot, canary)
@@ -116,7 +125,13 @@ def canary_check(
         )
     base_diff = float((ours - base).abs().max())
     if adapter_is_zero(trainer, trainer_slot):
-        return CanaryResult(key, diff, tolerance, base_diff, "skipped: adapter is zero (B = 0), equals the base model")
+        return CanaryResult(
+            key,
+            diff,
+            tolerance,
+            base_diff,
+            "skipped: adapter is zero (B = 0), equals the base model",
+        )
     if not base_diff > 0.0:
         raise SyncVerificationError(
             f"canary for {key!r}: the adapter is non-zero but the sampler's log-probs equal the base "
@@ -137,7 +152,9 @@ def publish_verified(
 ) -> tuple[VersionKey, CanaryResult]:
     """Publishes trainer slot -> sampler, then runs the canary; a failed check withdraws the
     version before raising, so it is never served."""
-    key = sampler.versions.publish(adapter_id, trainer.bank, trainer_slot, version=version, path=path)
+    key = sampler.versions.publish(
+        adapter_id, trainer.bank, trainer_slot, version=version, path=path
+    )
     try:
         result = canary_check(sampler, key, trainer, trainer_slot, tolerance=tolerance)
     except BaseException:

@@ -66,7 +66,9 @@ def detect_kind(path: Path) -> SourceKind:
         return "training_state"
     if (path / CONFIG_NAME).is_file():
         return "peft"
-    raise VersionError(f"{path} is neither a training-state checkpoint ({STATE_NAME}) nor a PEFT dir ({CONFIG_NAME})")
+    raise VersionError(
+        f"{path} is neither a training-state checkpoint ({STATE_NAME}) nor a PEFT dir ({CONFIG_NAME})"
+    )
 
 
 def _check_key(adapter_id: object, version: object) -> VersionKey:
@@ -82,13 +84,19 @@ class VersionStore:
 
     def __init__(self, bank: BankSet, *, base_model_id: str, capacity: int | None = None):
         if bank.trainable:
-            raise ValueError(f"bank {bank.name!r} is trainable; samplers use an inference-only bank")
+            raise ValueError(
+                f"bank {bank.name!r} is trainable; samplers use an inference-only bank"
+            )
         max_capacity = bank.num_slots - 1
         capacity = max_capacity if capacity is None else capacity
         if not 1 <= capacity <= max_capacity:
-            raise ValueError(f"capacity must be in [1, {max_capacity}] for bank {bank.name!r}, got {capacity}")
+            raise ValueError(
+                f"capacity must be in [1, {max_capacity}] for bank {bank.name!r}, got {capacity}"
+            )
         if bank.used_slots():
-            raise ValueError(f"bank {bank.name!r} already holds adapters; a VersionStore needs it to itself")
+            raise ValueError(
+                f"bank {bank.name!r} already holds adapters; a VersionStore needs it to itself"
+            )
         self.bank = bank
         self.base_model_id = base_model_id
         self.capacity = capacity
@@ -160,7 +168,9 @@ class VersionStore:
                 if self.bank.slots[slot] is not None:
                     self.bank.free(slot)
                 raise
-            self._versions[key] = VersionInfo(*key, path=saved, kind=kind, slot=slot, last_used=self._tick())
+            self._versions[key] = VersionInfo(
+                *key, path=saved, kind=kind, slot=slot, last_used=self._tick()
+            )
             return key
 
     def register(self, adapter_id: str, version: int, path: PathLike) -> VersionKey:
@@ -209,7 +219,9 @@ class VersionStore:
         with self._lock:
             info = self._get(key)
             if info.pins:
-                raise VersionError(f"version {key!r} is in use by {info.pins} sequence(s); cannot evict it")
+                raise VersionError(
+                    f"version {key!r} is in use by {info.pins} sequence(s); cannot evict it"
+                )
             if info.slot is not None:
                 self.bank.free(info.slot)
                 info.slot = None
@@ -246,15 +258,23 @@ class VersionStore:
                 "publish it with a path (or save it) to make it reloadable"
             )
         if not info.path.is_dir():
-            raise VersionUnavailableError(f"version {info.key!r}: its files at {info.path} are gone")
+            raise VersionUnavailableError(
+                f"version {info.key!r}: its files at {info.path} are gone"
+            )
         slot = self._claim_slot()
         try:
             if info.kind == "training_state":
                 restore_training_state(
-                    info.path, bank=self.bank, optimizer=None, base_model_id=self.base_model_id, slot=slot
+                    info.path,
+                    bank=self.bank,
+                    optimizer=None,
+                    base_model_id=self.base_model_id,
+                    slot=slot,
                 )
             else:
                 import_peft(self.bank, info.path, slot=slot)
         except (CheckpointError, PeftFormatError, BankError, OSError) as exc:
-            raise VersionUnavailableError(f"version {info.key!r}: cannot load {info.path}: {exc}") from exc
+            raise VersionUnavailableError(
+                f"version {info.key!r}: cannot load {info.path}: {exc}"
+            ) from exc
         info.slot = slot

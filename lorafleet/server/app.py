@@ -43,7 +43,9 @@ class KeyGate:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS:
-            key = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-api-key"), None)
+            key = next(
+                (v.decode("latin-1") for k, v in scope["headers"] if k == b"x-api-key"), None
+            )
             try:
                 who = self.service.authenticate(key)
             except ApiError as exc:
@@ -69,23 +71,37 @@ def create_app(service: Service) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _bad_params(request: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:5])
-        return JSONResponse({"error": f"{request.url.path}: {problems}", "category": "user"}, status_code=400)
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:5]
+        )
+        return JSONResponse(
+            {"error": f"{request.url.path}: {problems}", "category": "user"}, status_code=400
+        )
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception) -> JSONResponse:
         log.error("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
-        body = {"error": f"internal server error: {type(exc).__name__}: {exc}", "category": "server"}
+        body = {
+            "error": f"internal server error: {type(exc).__name__}: {exc}",
+            "category": "server",
+        }
         return JSONResponse(body, status_code=500)
 
     def tenant(request: Request) -> Tenant:
         who = getattr(request.state, "tenant", None)
-        return who if isinstance(who, Tenant) else service.authenticate(request.headers.get("x-api-key"))
+        return (
+            who
+            if isinstance(who, Tenant)
+            else service.authenticate(request.headers.get("x-api-key"))
+        )
 
     async def raw_body(request: Request, limit: int) -> bytes:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise UserError(f"request body of {declared} bytes is larger than this server's limit of {limit} for {request.url.path}", status=413)
+            raise UserError(
+                f"request body of {declared} bytes is larger than this server's limit of {limit} for {request.url.path}",
+                status=413,
+            )
         chunks: list[bytes] = []
         size = 0
         timeout = service.config.body_timeout_s
@@ -94,12 +110,20 @@ def create_app(service: Service) -> FastAPI:
                 async for chunk in request.stream():
                     size += len(chunk)
                     if size > limit:
-                        raise UserError(f"request body is larger than this server's limit of {limit} bytes for {request.url.path}", status=413)
+                        raise UserError(
+                            f"request body is larger than this server's limit of {limit} bytes for {request.url.path}",
+                            status=413,
+                        )
                     chunks.append(chunk)
         except TimeoutError:
-            raise UserError(f"the request body did not arrive within {timeout:g} s ({size} bytes received)", status=408) from None
+            raise UserError(
+                f"the request body did not arrive within {timeout:g} s ({size} bytes received)",
+                status=408,
+            ) from None
         except ClientDisconnect:
-            raise UserError(f"the client disconnected while sending the body ({size} bytes received)") from None
+            raise UserError(
+                f"the client disconnected while sending the body ({size} bytes received)"
+            ) from None
         return b"".join(chunks)
 
     async def body(request: Request) -> Any:
@@ -200,12 +224,16 @@ def create_app(service: Service) -> FastAPI:
         result = await service.retrieve(who, data)
         if result is None:
             request_id = data.get("request_id") if isinstance(data, dict) else None
-            return JSONResponse({"type": "try_again", "request_id": request_id, "queue_state": "active"})
+            return JSONResponse(
+                {"type": "try_again", "request_id": request_id, "queue_state": "active"}
+            )
         return Response(result.body, media_type=result.content_type)
 
     # ------------------------------------------------------------------ REST
     @app.get(f"{API}/training_runs")
-    async def list_training_runs(request: Request, limit: int = 20, offset: int = 0) -> dict[str, Any]:
+    async def list_training_runs(
+        request: Request, limit: int = 20, offset: int = 0
+    ) -> dict[str, Any]:
         return service.list_training_runs(tenant(request), limit, offset)
 
     @app.get(f"{API}/training_runs/{{run_id}}")
@@ -218,15 +246,21 @@ def create_app(service: Service) -> FastAPI:
 
     @app.put(f"{API}/training_runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}/ttl")
     async def set_ttl(run_id: str, checkpoint_id: str, request: Request) -> dict[str, Any]:
-        return service.set_checkpoint_ttl(tenant(request), run_id, checkpoint_id, await body(request))
+        return service.set_checkpoint_ttl(
+            tenant(request), run_id, checkpoint_id, await body(request)
+        )
 
     @app.delete(f"{API}/training_runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}")
-    async def delete_checkpoint(run_id: str, checkpoint_id: str, request: Request) -> dict[str, Any]:
+    async def delete_checkpoint(
+        run_id: str, checkpoint_id: str, request: Request
+    ) -> dict[str, Any]:
         await asyncio.wrap_future(service.delete_checkpoint(tenant(request), run_id, checkpoint_id))
         return {}
 
     @app.get(f"{API}/checkpoints")
-    async def list_user_checkpoints(request: Request, limit: int = 100, offset: int = 0) -> dict[str, Any]:
+    async def list_user_checkpoints(
+        request: Request, limit: int = 100, offset: int = 0
+    ) -> dict[str, Any]:
         return service.list_checkpoints(tenant(request), None, limit, offset)
 
     @app.post(f"{API}/weights_info")

@@ -38,21 +38,27 @@ def parse_keys(lines: Iterable[str], source: str) -> list[str]:
         if not key or key.startswith("#"):
             continue
         if not key.startswith(KEY_PREFIX):
-            raise ValueError(f"{source}: key #{number} does not start with {KEY_PREFIX!r}; the tinker SDK only sends keys that do")
+            raise ValueError(
+                f"{source}: key #{number} does not start with {KEY_PREFIX!r}; the tinker SDK only sends keys that do"
+            )
         if len(key) < _MIN_KEY_LENGTH or any(c.isspace() or c == "," for c in key):
             raise ValueError(f"{source}: key #{number} is too short or contains whitespace/commas")
         keys.append(key)
     return keys
 
 
-def load_keys(key_file: str | os.PathLike[str] | None = None, env: dict[str, str] | None = None) -> list[str]:
+def load_keys(
+    key_file: str | os.PathLike[str] | None = None, env: dict[str, str] | None = None
+) -> list[str]:
     env = os.environ if env is None else env
     keys = parse_keys(env.get(ENV_VAR, "").split(","), f"${ENV_VAR}")
     if key_file is not None:
         path = Path(key_file)
         keys += parse_keys(path.read_text(encoding="utf-8").splitlines(), str(path))
     if not keys:
-        raise ValueError(f"no API keys: set ${ENV_VAR}=tml-... (comma-separated) or pass --api-key-file")
+        raise ValueError(
+            f"no API keys: set ${ENV_VAR}=tml-... (comma-separated) or pass --api-key-file"
+        )
     return keys
 
 

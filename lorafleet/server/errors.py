@@ -19,7 +19,9 @@ class ApiError(Exception):
     status: int = 400
     category: Category = "user"
 
-    def __init__(self, message: str, *, status: int | None = None, category: Category | None = None):
+    def __init__(
+        self, message: str, *, status: int | None = None, category: Category | None = None
+    ):
         super().__init__(message)
         self.message = message
         if status is not None:

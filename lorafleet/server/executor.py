@@ -64,8 +64,10 @@ class EngineConfig:
     lora_alpha: float = 32.0
     max_sample_rows: int = 32
     token_budget: int = 4096
-    ephemeral_keep: int = 8  # files kept per model for save_weights_and_get_sampling_client; 0 = memory only
-    dist: Any = None  # lorafleet.dist.stack.DistConfig: sharded trainer ranks / Ray placement; None = one process
+    ephemeral_keep: int = (
+        8  # files kept per model for save_weights_and_get_sampling_client; 0 = memory only
+    )
+    dist: Any = None  # lorafleet.distributed.stack.DistConfig: sharded trainer ranks / Ray placement; None = one process
 
 
 @dataclass
@@ -175,8 +177,10 @@ class Executor:
         everything = self._targets[(True, True, True)]
         if isinstance(everything, TargetError):
             raise everything
-        if config.dist is not None:  # same engine interfaces, run by trainer ranks / sampler replicas
-            from lorafleet.dist.stack import build_dist_stack
+        if (
+            config.dist is not None
+        ):  # same engine interfaces, run by trainer ranks / sampler replicas
+            from lorafleet.distributed.stack import build_dist_stack
 
             self.stack: Any = build_dist_stack(config, base, everything)
         else:
@@ -228,17 +232,34 @@ class Executor:
     def _live(self, op: Op) -> LiveModel:
         live = self.live.get(op.model_id or "")
         if live is None:
-            raise UserError(f"model {op.model_id!r} is not loaded any more (its session finished or the server restarted)")
+            raise UserError(
+                f"model {op.model_id!r} is not loaded any more (its session finished or the server restarted)"
+            )
         return live
 
-    def _add_model(self, op: Op, session_id: str, base_model: str, slot: int, lora: dict[str, Any], user_metadata: dict | None) -> None:
+    def _add_model(
+        self,
+        op: Op,
+        session_id: str,
+        base_model: str,
+        slot: int,
+        lora: dict[str, Any],
+        user_metadata: dict | None,
+    ) -> None:
         assert op.model_id is not None
         now = time.time()
         self.store.add_model(
             ModelRow(
-                model_id=op.model_id, tenant=op.tenant, session_id=session_id, base_model=base_model,
-                lora_rank=int(lora["rank"]), lora=lora, user_metadata=user_metadata, created_at=now,
-                last_request_time=now, status="active",
+                model_id=op.model_id,
+                tenant=op.tenant,
+                session_id=session_id,
+                base_model=base_model,
+                lora_rank=int(lora["rank"]),
+                lora=lora,
+                user_metadata=user_metadata,
+                created_at=now,
+                last_request_time=now,
+                status="active",
             )
         )
         self.live[op.model_id] = LiveModel(op.model_id, op.tenant, session_id, slot, base_model)
@@ -257,10 +278,17 @@ class Executor:
             lora["seed"] = secrets.randbits(31)
         self._require_free_slot()
         try:
-            targets = self._targets[(bool(lora["train_attn"]), bool(lora["train_mlp"]), bool(lora["train_unembed"]))]
+            targets = self._targets[
+                (bool(lora["train_attn"]), bool(lora["train_mlp"]), bool(lora["train_unembed"]))
+            ]
             if isinstance(targets, TargetError):
                 raise targets
-            spec = AdapterSpec(rank=lora["rank"], alpha=float(lora["alpha"]), seed=int(lora["seed"]), targets=targets)
+            spec = AdapterSpec(
+                rank=lora["rank"],
+                alpha=float(lora["alpha"]),
+                seed=int(lora["seed"]),
+                targets=targets,
+            )
             slot = self.trainer.create_adapter(spec)
         except (BankError, TargetError) as exc:
             raise UserError(f"create_model: {exc}") from None
@@ -283,13 +311,17 @@ class Executor:
         state = self._checkpoint_state(args.checkpoint, "create_training_client_from_state")
         self._require_free_slot()
         try:
-            slot = self.trainer.load_state(state, with_optimizer=args.optimizer, source=args.checkpoint.dir)
+            slot = self.trainer.load_state(
+                state, with_optimizer=args.optimizer, source=args.checkpoint.dir
+            )
         except (CheckpointError, BankError) as exc:
             raise UserError(f"load {args.checkpoint.tinker_path}: {exc}") from None
         lora = dict(args.checkpoint.info["lora"])
         base_model = args.base_model or args.checkpoint.info["base_model"]
         self._add_model(op, args.session_id, base_model, slot, lora, args.user_metadata)
-        return Result.json({"model_id": op.model_id, "path": args.checkpoint.tinker_path, "type": "load_weights"})
+        return Result.json(
+            {"model_id": op.model_id, "path": args.checkpoint.tinker_path, "type": "load_weights"}
+        )
 
     def _load_weights(self, op: Op) -> Result:
         """The deprecated in-place load_state: replaces the model's adapter and optimizer state."""
@@ -299,19 +331,35 @@ class Executor:
         spec = self.trainer.bank.check_slot(live.slot).spec
         self.trainer.free_adapter(live.slot)
         try:
-            self.trainer.load_state(state, slot=live.slot, with_optimizer=args.optimizer, source=args.checkpoint.dir)
+            self.trainer.load_state(
+                state, slot=live.slot, with_optimizer=args.optimizer, source=args.checkpoint.dir
+            )
         except (CheckpointError, BankError) as exc:
-            self.trainer.create_adapter(spec, live.slot)  # keep the model usable (freshly initialised)
-            raise UserError(f"load {args.checkpoint.tinker_path}: {exc}; the model was reset to a fresh adapter") from None
+            self.trainer.create_adapter(
+                spec, live.slot
+            )  # keep the model usable (freshly initialised)
+            raise UserError(
+                f"load {args.checkpoint.tinker_path}: {exc}; the model was reset to a fresh adapter"
+            ) from None
         return Result.json({"path": args.checkpoint.tinker_path, "type": "load_weights"})
 
-    def _checkpoint_row(self, op: Op, path: TinkerPath, dest: Path, kind: str, args: SaveArgs | SaveSamplerArgs) -> CheckpointRow:
+    def _checkpoint_row(
+        self, op: Op, path: TinkerPath, dest: Path, kind: str, args: SaveArgs | SaveSamplerArgs
+    ) -> CheckpointRow:
         model = self.store.get_model(path.model_id)
         assert model is not None
         return CheckpointRow(
-            tinker_path=str(path), tenant=op.tenant, model_id=path.model_id, kind=kind, name=path.name,
-            dir=str(dest), created_at=time.time(), size_bytes=dir_size(dest), user_metadata=_metadata(args.user_metadata),
-            expires_at=args.expires_at, info={"base_model": model.base_model, "lora": model.lora, "base_id": self.base_id},
+            tinker_path=str(path),
+            tenant=op.tenant,
+            model_id=path.model_id,
+            kind=kind,
+            name=path.name,
+            dir=str(dest),
+            created_at=time.time(),
+            size_bytes=dir_size(dest),
+            user_metadata=_metadata(args.user_metadata),
+            expires_at=args.expires_at,
+            info={"base_model": model.base_model, "lora": model.lora, "base_id": self.base_id},
         )
 
     def _save_weights(self, op: Op) -> Result:
@@ -324,13 +372,17 @@ class Executor:
         faults.point("save_state.begin")
         try:
             self.trainer.save_state(
-                live.slot, dest, metadata={"tinker_path": str(path), "user_metadata": _metadata(args.user_metadata)},
+                live.slot,
+                dest,
+                metadata={"tinker_path": str(path), "user_metadata": _metadata(args.user_metadata)},
                 overwrite=args.overwrite,
             )
         except (CheckpointError, FileExistsError) as exc:
             raise UserError(f"save_state {path}: {exc}") from None
         faults.point("save_state.end")
-        self._forget_version((str(path), 0))  # an overwritten checkpoint must not serve stale weights
+        self._forget_version(
+            (str(path), 0)
+        )  # an overwritten checkpoint must not serve stale weights
         self.store.put_checkpoint(self._checkpoint_row(op, path, dest, "training", args))
         return Result.json({"path": str(path), "type": "save_weights"})
 
@@ -341,19 +393,34 @@ class Executor:
             assert args.sampling_session_seq_id is not None
             sampler_id = f"{live.session_id}:sample:{args.sampling_session_seq_id}"
             if self.store.get_sampling_session(sampler_id) is not None:
-                raise UserError(f"sampling_session_seq_id {args.sampling_session_seq_id} is already used in session {live.session_id}")
+                raise UserError(
+                    f"sampling_session_seq_id {args.sampling_session_seq_id} is already used in session {live.session_id}"
+                )
             key = self._publish_ephemeral(live)
             self.store.add_sampling_session(
-                SamplingSessionRow(sampler_id, op.tenant, live.session_id, live.base_model, None, key[0], key[1], time.time())
+                SamplingSessionRow(
+                    sampler_id,
+                    op.tenant,
+                    live.session_id,
+                    live.base_model,
+                    None,
+                    key[0],
+                    key[1],
+                    time.time(),
+                )
             )
-            return Result.json({"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"})
+            return Result.json(
+                {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
+            )
         path = TinkerPath(live.model_id, "sampler_weights", args.name)
         if self.store.get_checkpoint(str(path)) is not None:
             raise UserError(f"sampler checkpoint {path} already exists; choose another name")
         dest = checkpoint_dir(self.data_dir, op.tenant, path)
         faults.point("save_sampler.begin")
         try:
-            export_peft(self.trainer.bank, live.slot, dest, base_model_name_or_path=str(self.base_path))
+            export_peft(
+                self.trainer.bank, live.slot, dest, base_model_name_or_path=str(self.base_path)
+            )
         except (ValueError, FileExistsError) as exc:
             raise UserError(f"save_weights_for_sampler {path}: {exc}") from None
         faults.point("save_sampler.end")
@@ -369,9 +436,22 @@ class Executor:
         faults.point("export.begin")
         if self.config.ephemeral_keep > 0:
             dest = self.ephemeral_root / run_dir_name(live.model_id) / str(version)
-            export_peft(self.trainer.bank, live.slot, dest, base_model_name_or_path=str(self.base_path), overwrite=True)
+            export_peft(
+                self.trainer.bank,
+                live.slot,
+                dest,
+                base_model_name_or_path=str(self.base_path),
+                overwrite=True,
+            )
         faults.point("export.end")
-        key, _ = publish_verified(self.sampler, self.trainer, live.slot, live.model_id + LIVE_SUFFIX, version=version, path=dest)
+        key, _ = publish_verified(
+            self.sampler,
+            self.trainer,
+            live.slot,
+            live.model_id + LIVE_SUFFIX,
+            version=version,
+            path=dest,
+        )
         kept = self._ephemeral.setdefault(live.model_id, deque())
         kept.append((key, dest))
         while len(kept) > max(1, self.config.ephemeral_keep):
@@ -408,18 +488,30 @@ class Executor:
             call: proto.ForwardBackwardCall = op.payload
             try:
                 live = self._live(op)
-                items = [TrainItem(live.slot, d.tokens, call.loss_fn, d.loss_inputs, call.loss_config) for d in call.data]
+                items = [
+                    TrainItem(live.slot, d.tokens, call.loss_fn, d.loss_inputs, call.loss_config)
+                    for d in call.data
+                ]
                 groups[not call.forward_only].append((i, self.trainer.prepare(items)))
             except UserError as exc:
                 results[i] = Result.error(exc)
             except ValueError as exc:
-                results[i] = _user(exc, f"{'forward' if call.forward_only else 'forward_backward'}: ")
+                results[i] = _user(
+                    exc, f"{'forward' if call.forward_only else 'forward_backward'}: "
+                )
         for backward in (False, True):
             if groups[backward]:
                 self._run_items(groups[backward], backward, results)
-        return [r if r is not None else Result.error(UserError("request was not run")) for r in results]
+        return [
+            r if r is not None else Result.error(UserError("request was not run")) for r in results
+        ]
 
-    def _run_items(self, group: list[tuple[int, list[PreparedItem]]], backward: bool, results: list[Result | None]) -> None:
+    def _run_items(
+        self,
+        group: list[tuple[int, list[PreparedItem]]],
+        backward: bool,
+        results: list[Result | None],
+    ) -> None:
         flat = [item for _, items in group for item in items]
         faults.point("forward_backward.begin")
         try:
@@ -437,7 +529,9 @@ class Executor:
             mine = out.items[start : start + len(items)]
             start += len(items)
             metrics = merge_metrics(o.metrics for o in mine)
-            results[index] = Result.proto(proto.forward_backward_output([o.logprobs for o in mine], metrics))
+            results[index] = Result.proto(
+                proto.forward_backward_output([o.logprobs for o in mine], metrics)
+            )
 
     # ================================================================== optimizer
     def run_optim(self, ops: list[Op]) -> list[Result]:
@@ -456,10 +550,18 @@ class Executor:
             faults.point("optim_step.end")
             for slot, (i, _) in by_slot.items():
                 m = metrics[slot]
-                results[i] = Result.json({"metrics": {
-                    f"{key}:{'max' if key in ('step', 'skipped') else 'mean'}": float(value) for key, value in m.items()
-                }, "type": "optim_step"})
-        return [r if r is not None else Result.error(UserError("request was not run")) for r in results]
+                results[i] = Result.json(
+                    {
+                        "metrics": {
+                            f"{key}:{'max' if key in ('step', 'skipped') else 'mean'}": float(value)
+                            for key, value in m.items()
+                        },
+                        "type": "optim_step",
+                    }
+                )
+        return [
+            r if r is not None else Result.error(UserError("request was not run")) for r in results
+        ]
 
     # ================================================================== sampling
     def _ensure_version(self, args: SampleArgs) -> tuple[str, int] | None:
@@ -486,7 +588,9 @@ class Executor:
                 detect_kind(Path(checkpoint.dir))
                 self.versions.register(key[0], key[1], checkpoint.dir)
             except VersionError as exc:
-                raise UserError(f"checkpoint {args.checkpoint_path} cannot be sampled: {exc}") from None
+                raise UserError(
+                    f"checkpoint {args.checkpoint_path} cannot be sampled: {exc}"
+                ) from None
         return key
 
     def run_sample(self, ops: list[Op]) -> list[Result]:
@@ -496,7 +600,9 @@ class Executor:
             outputs = self.sampler.generate([request for _, _, request in batch])
             for (i, args, _), output in zip(batch, outputs, strict=True):
                 results[i] = self._sample_result(output, args)
-        return [r if r is not None else Result.error(UserError("request was not run")) for r in results]
+        return [
+            r if r is not None else Result.error(UserError("request was not run")) for r in results
+        ]
 
     def start_sample(self, ops: list[Op]) -> list[Result | PendingSample]:
         """Queues the ops' samples into the sampler's running batch (continuous batching across
@@ -519,7 +625,9 @@ class Executor:
         """One step of the running sample batch; False when it had nothing to do."""
         return bool(self.sampler.step())
 
-    def _sample_requests(self, ops: list[Op]) -> tuple[list[Result | None], list[tuple[int, SampleArgs, SampleRequest]]]:
+    def _sample_requests(
+        self, ops: list[Op]
+    ) -> tuple[list[Result | None], list[tuple[int, SampleArgs, SampleRequest]]]:
         results: list[Result | None] = [None] * len(ops)
         batch: list[tuple[int, SampleArgs, SampleRequest]] = []
         for i, op in enumerate(ops):
@@ -547,8 +655,11 @@ class Executor:
             return Result.error(UserError(f"sample: {output.error.message}"))
         return Result.proto(
             proto.sample_response(
-                output, prompt_logprobs=args.prompt_logprobs, topk_prompt=args.topk_prompt,
-                topk_sample=args.topk_sample, last_n=args.last_n,
+                output,
+                prompt_logprobs=args.prompt_logprobs,
+                topk_prompt=args.topk_prompt,
+                topk_sample=args.topk_sample,
+                last_n=args.last_n,
             )
         )
 

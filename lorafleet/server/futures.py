@@ -49,7 +49,9 @@ class Result:
 class _Entry:
     tenant: str
     result: Result | None = None
-    waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = field(default_factory=list)
+    waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = field(
+        default_factory=list
+    )
 
 
 class FutureTable:
@@ -76,7 +78,9 @@ class FutureTable:
             self._pending[request_id] = _Entry(tenant=tenant)
 
     def complete(self, request_id: str, result: Result) -> None:
-        self.store.finish_future(request_id, "failed" if result.failed else "done", result.content_type, result.body)
+        self.store.finish_future(
+            request_id, "failed" if result.failed else "done", result.content_type, result.body
+        )
         with self._lock:
             entry = self._pending.pop(request_id, None)
             if entry is None:
@@ -100,7 +104,9 @@ class FutureTable:
             row = self.store.get_future(request_id)
             if row is not None and row.state != "pending":
                 assert row.content_type is not None and row.body is not None
-                entry = _Entry(row.tenant, Result(row.content_type, row.body, failed=row.state == "failed"))
+                entry = _Entry(
+                    row.tenant, Result(row.content_type, row.body, failed=row.state == "failed")
+                )
         if entry is None or entry.tenant != tenant:
             raise NotFound(f"unknown request_id {request_id!r}")
         return entry

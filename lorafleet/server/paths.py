@@ -47,10 +47,14 @@ def checkpoint_name(name: object, field: str = "path") -> str:
 
 def parse_tinker_path(value: object, field: str = "path") -> TinkerPath:
     if not isinstance(value, str) or not value.startswith(SCHEME):
-        raise UserError(f"{field} must look like tinker://<model_id>/weights/<name> or .../sampler_weights/<name>, got {value!r}")
-    parts = value[len(SCHEME):].split("/")
+        raise UserError(
+            f"{field} must look like tinker://<model_id>/weights/<name> or .../sampler_weights/<name>, got {value!r}"
+        )
+    parts = value[len(SCHEME) :].split("/")
     if len(parts) != 3 or not parts[0]:
-        raise UserError(f"{field} {value!r} must have exactly three parts: tinker://<model_id>/<kind>/<name>")
+        raise UserError(
+            f"{field} {value!r} must have exactly three parts: tinker://<model_id>/<kind>/<name>"
+        )
     model_id, segment, name = parts
     if segment not in SEGMENTS:
         raise UserError(f"{field} {value!r}: kind {segment!r} is not one of {', '.join(SEGMENTS)}")

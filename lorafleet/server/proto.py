@@ -62,11 +62,17 @@ def parse_forward_backward(body: bytes) -> pb.ForwardBackwardRequest:
     try:
         msg.ParseFromString(body)
     except DecodeError as exc:
-        raise UserError(f"request body is not a valid protobuf ForwardBackwardRequest ({len(body)} bytes): {exc}") from exc
+        raise UserError(
+            f"request body is not a valid protobuf ForwardBackwardRequest ({len(body)} bytes): {exc}"
+        ) from exc
     if not msg.model_id:
-        raise UserError("ForwardBackwardRequest.model_id is empty (is the body really a ForwardBackwardRequest?)")
+        raise UserError(
+            "ForwardBackwardRequest.model_id is empty (is the body really a ForwardBackwardRequest?)"
+        )
     if msg.seq_id < 1:
-        raise UserError(f"ForwardBackwardRequest.seq_id must be >= 1 (seq 0 is the model's creation), got {msg.seq_id}")
+        raise UserError(
+            f"ForwardBackwardRequest.seq_id must be >= 1 (seq 0 is the model's creation), got {msg.seq_id}"
+        )
     return msg
 
 
@@ -93,7 +99,9 @@ def _loss_config(msg: pb.ForwardBackwardRequest) -> dict[str, float] | None:
             if which == "number":
                 config[key] = value.number
             elif which == "text":
-                raise UserError(f"loss_fn_config[{key!r}] = {value.text!r}: text values are not accepted by any loss here")
+                raise UserError(
+                    f"loss_fn_config[{key!r}] = {value.text!r}: text values are not accepted by any loss here"
+                )
             else:
                 raise UserError(f"loss_fn_config[{key!r}] has no value")
     else:
@@ -120,21 +128,30 @@ def _datum(index: int, datum: pb.Datum) -> WireDatum:
     for c, chunk in enumerate(datum.model_input):
         kind = chunk.WhichOneof("chunk")
         if kind != "encoded_text":
-            raise UserError(f"{where}.model_input.chunks[{c}] is a {kind or 'empty'} chunk; this server takes encoded_text only")
+            raise UserError(
+                f"{where}.model_input.chunks[{c}] is a {kind or 'empty'} chunk; this server takes encoded_text only"
+            )
         raw = chunk.encoded_text.tokens
         if len(raw) % 4:
-            raise UserError(f"{where}.model_input.chunks[{c}].tokens has {len(raw)} bytes, not a whole number of int32 tokens")
+            raise UserError(
+                f"{where}.model_input.chunks[{c}].tokens has {len(raw)} bytes, not a whole number of int32 tokens"
+            )
         pieces.append(np.frombuffer(raw, dtype="<i4"))
     tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype="<i4")
     if tokens.size == 0:
         raise UserError(f"{where}.model_input is empty")
-    inputs = {key: _tensor(f"{where}.loss_fn_inputs[{key!r}]", tensor) for key, tensor in datum.loss_fn_inputs.items()}
+    inputs = {
+        key: _tensor(f"{where}.loss_fn_inputs[{key!r}]", tensor)
+        for key, tensor in datum.loss_fn_inputs.items()
+    }
     return WireDatum(tokens=torch.from_numpy(tokens.astype(np.int64)), loss_inputs=inputs)
 
 
 def _tensor(label: str, msg: pb.Tensor) -> torch.Tensor:
     if msg.dtype not in _NUMPY_DTYPES:
-        raise UserError(f"{label} has dtype enum {msg.dtype}; expected FLOAT32, INT64, INT32 or BFLOAT16")
+        raise UserError(
+            f"{label} has dtype enum {msg.dtype}; expected FLOAT32, INT64, INT32 or BFLOAT16"
+        )
     name, dtype = _NUMPY_DTYPES[msg.dtype]
     shape = [int(s) for s in msg.shape]
     if any(s < 0 for s in shape):
@@ -147,34 +164,52 @@ def _tensor(label: str, msg: pb.Tensor) -> torch.Tensor:
     else:
         raw = msg.dense
         if len(raw) % dtype.itemsize:
-            raise UserError(f"{label} has {len(raw)} bytes of {name} data, not a multiple of {dtype.itemsize}")
+            raise UserError(
+                f"{label} has {len(raw)} bytes of {name} data, not a multiple of {dtype.itemsize}"
+            )
         array = np.frombuffer(raw, dtype=dtype)
         if shape:
             if math.prod(shape) != array.size:
-                raise UserError(f"{label} has {array.size} {name} values but its shape {shape} needs {math.prod(shape)}")
+                raise UserError(
+                    f"{label} has {array.size} {name} values but its shape {shape} needs {math.prod(shape)}"
+                )
             array = array.reshape(shape)
     if msg.dtype == pb.DTYPE_BFLOAT16:
         array = (array.astype(np.uint32) << 16).view(np.float32)
     return torch.from_numpy(np.array(array, dtype=array.dtype.newbyteorder("=")))
 
 
-def _sparse_csr(label: str, csr: pb.SparseCsr, dtype: np.dtype, name: str, shape: list[int]) -> np.ndarray:
+def _sparse_csr(
+    label: str, csr: pb.SparseCsr, dtype: np.dtype, name: str, shape: list[int]
+) -> np.ndarray:
     """Densifies with 0 in unlisted cells (the SDK's default pad value)."""
     if len(shape) != 2:
         raise UserError(f"{label} is sparse CSR, which needs a 2-D shape; got shape {shape}")
     rows, cols = shape
     if rows * cols > _MAX_SPARSE_ELEMENTS:
-        raise UserError(f"{label} is sparse CSR of shape {shape}, more than {_MAX_SPARSE_ELEMENTS} values once dense")
-    for field_name, raw, size in (("values", csr.values, dtype.itemsize), ("crow_indices", csr.crow_indices, 8), ("col_indices", csr.col_indices, 8)):
+        raise UserError(
+            f"{label} is sparse CSR of shape {shape}, more than {_MAX_SPARSE_ELEMENTS} values once dense"
+        )
+    for field_name, raw, size in (
+        ("values", csr.values, dtype.itemsize),
+        ("crow_indices", csr.crow_indices, 8),
+        ("col_indices", csr.col_indices, 8),
+    ):
         if len(raw) % size:
-            raise UserError(f"{label}.sparse_csr.{field_name} has {len(raw)} bytes, not a multiple of {size}")
+            raise UserError(
+                f"{label}.sparse_csr.{field_name} has {len(raw)} bytes, not a multiple of {size}"
+            )
     values = np.frombuffer(csr.values, dtype=dtype)
     crow = np.frombuffer(csr.crow_indices, dtype="<i8")
     col = np.frombuffer(csr.col_indices, dtype="<i8")
     if crow.size != rows + 1:
-        raise UserError(f"{label}.sparse_csr.crow_indices has {crow.size} entries; shape {shape} needs {rows + 1}")
+        raise UserError(
+            f"{label}.sparse_csr.crow_indices has {crow.size} entries; shape {shape} needs {rows + 1}"
+        )
     if crow[0] != 0 or np.any(np.diff(crow) < 0) or crow[-1] != col.size:
-        raise UserError(f"{label}.sparse_csr.crow_indices must start at 0, never decrease and end at nnz={col.size}")
+        raise UserError(
+            f"{label}.sparse_csr.crow_indices must start at 0, never decrease and end at nnz={col.size}"
+        )
     if values.size != col.size:
         raise UserError(f"{label}.sparse_csr has {values.size} values but {col.size} col_indices")
     if col.size and (col.min() < 0 or col.max() >= cols):
@@ -200,7 +235,10 @@ def forward_backward_output(logprobs: Sequence[torch.Tensor], metrics: dict[str,
         end = start
         while end < len(logprobs) and tuple(logprobs[end].shape[1:]) == trailing:
             end += 1
-        arrays = [t.detach().to(torch.float32).contiguous().numpy().astype("<f4", copy=False) for t in logprobs[start:end]]
+        arrays = [
+            t.detach().to(torch.float32).contiguous().numpy().astype("<f4", copy=False)
+            for t in logprobs[start:end]
+        ]
         offsets = np.zeros(len(arrays) + 1, dtype="<i8")
         offsets[1:] = np.cumsum([a.nbytes for a in arrays])
         record = out.loss_fn_outputs.add(num_datums=len(arrays))
@@ -220,7 +258,9 @@ def _topk(rows: Sequence[Sequence[tuple[int, float]] | None], k: int) -> pb.Topk
         for j, (token, logprob) in enumerate((row or [])[:k]):
             ids[i, j] = token
             values[i, j] = logprob
-    return pb.TopkLogprobs(token_ids=ids.tobytes(), logprobs=values.tobytes(), k=k, length=len(rows))
+    return pb.TopkLogprobs(
+        token_ids=ids.tobytes(), logprobs=values.tobytes(), k=k, length=len(rows)
+    )
 
 
 def sample_response(
@@ -241,13 +281,15 @@ def sample_response(
         if topk_sample and seq.topk_logprobs is not None:
             item.topk_sampled_logprobs.CopyFrom(_topk(seq.topk_logprobs, topk_sample))
     if prompt_logprobs and result.prompt_logprobs is not None:
-        values = np.array([math.nan if v is None else v for v in result.prompt_logprobs], dtype="<f4")
+        values = np.array(
+            [math.nan if v is None else v for v in result.prompt_logprobs], dtype="<f4"
+        )
         if last_n is not None:
             values[: max(0, values.size - last_n)] = math.nan
         out.prompt_logprobs = values.tobytes()
     if topk_prompt and result.topk_prompt_logprobs is not None:
         rows = list(result.topk_prompt_logprobs)
         if last_n is not None:
-            rows = [None] * max(0, len(rows) - last_n) + rows[max(0, len(rows) - last_n):]
+            rows = [None] * max(0, len(rows) - last_n) + rows[max(0, len(rows) - last_n) :]
         out.topk_prompt_logprobs.CopyFrom(_topk(rows, topk_prompt))
     return out.SerializeToString()

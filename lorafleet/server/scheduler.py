@@ -69,7 +69,9 @@ class PendingSample:
     def finish(self) -> Result:
         exc = self.future.exception()
         if exc is not None:
-            return Result.error(ServerFault(f"internal error while sampling: {type(exc).__name__}: {exc}"))
+            return Result.error(
+                ServerFault(f"internal error while sampling: {type(exc).__name__}: {exc}")
+            )
         return self.convert(self.future.result())
 
 
@@ -193,7 +195,9 @@ class Scheduler:
                 if op.model_id in self._gone:
                     error = UserError(self._gone[op.model_id])
                 elif expected is not None and op.seq_id < expected:
-                    error = UserError(f"seq_id {op.seq_id} of model {op.model_id!r} was already executed (next is {expected})")
+                    error = UserError(
+                        f"seq_id {op.seq_id} of model {op.model_id!r} was already executed (next is {expected})"
+                    )
                 elif expected is not None and op.seq_id > expected + MAX_SEQ_AHEAD:
                     error = UserError(
                         f"seq_id {op.seq_id} of model {op.model_id!r} is more than {MAX_SEQ_AHEAD} ahead of the next one "
@@ -285,10 +289,18 @@ class Scheduler:
         try:
             started = self.executor.start_sample(ops)
             if len(started) != len(ops):
-                raise RuntimeError(f"sample: executor returned {len(started)} results for {len(ops)} ops")
+                raise RuntimeError(
+                    f"sample: executor returned {len(started)} results for {len(ops)} ops"
+                )
         except Exception as exc:
             log.exception("engine failure while queueing %d sample request(s)", len(ops))
-            started = [Result.error(ServerFault(f"internal error while queueing samples: {type(exc).__name__}: {exc}"))] * len(ops)
+            started = [
+                Result.error(
+                    ServerFault(
+                        f"internal error while queueing samples: {type(exc).__name__}: {exc}"
+                    )
+                )
+            ] * len(ops)
         self._count_batch("sample", [op for op, _ in self._sampling] + ops)
         for op, item in zip(ops, started, strict=True):
             if isinstance(item, PendingSample):
@@ -305,7 +317,9 @@ class Scheduler:
             try:
                 progressed = self.executor.step_sampler()
             except Exception:
-                log.exception("engine failure in a sampling step (%d request(s) running)", len(self._sampling))
+                log.exception(
+                    "engine failure in a sampling step (%d request(s) running)", len(self._sampling)
+                )
                 progressed = True  # the engine failed the running requests' futures
             still: list[tuple[Op, PendingSample]] = []
             for op, pending in self._sampling:
@@ -316,7 +330,12 @@ class Scheduler:
             self._sampling = still
             if not progressed and still:
                 for op, _ in still:
-                    self._finish(op, Result.error(ServerFault("the sampler dropped this request without a result")))
+                    self._finish(
+                        op,
+                        Result.error(
+                            ServerFault("the sampler dropped this request without a result")
+                        ),
+                    )
                 self._sampling = []
             with self._cond:
                 new_samples = any(op.kind == SAMPLE_KIND for op in self._unordered)
@@ -328,7 +347,9 @@ class Scheduler:
         with self._cond:
             ops = [op for op in self._unordered if op.kind != SAMPLE_KIND]
             self._unordered = [op for op in self._unordered if op.kind == SAMPLE_KIND]
-        ops += self._take_heads(lambda kind: kind not in TRAIN_KINDS and kind != OPTIM_KIND, consecutive=False)
+        ops += self._take_heads(
+            lambda kind: kind not in TRAIN_KINDS and kind != OPTIM_KIND, consecutive=False
+        )
         return ops
 
     def _take_heads(self, wanted: Callable[[str], bool], *, consecutive: bool) -> list[Op]:
@@ -350,10 +371,16 @@ class Scheduler:
         try:
             results = run(ops)
             if len(results) != len(ops):
-                raise RuntimeError(f"{name}: executor returned {len(results)} results for {len(ops)} ops")
+                raise RuntimeError(
+                    f"{name}: executor returned {len(results)} results for {len(ops)} ops"
+                )
         except Exception as exc:
             log.exception("engine failure in %s batch of %d request(s)", name, len(ops))
-            results = [Result.error(ServerFault(f"internal error while running {name}: {type(exc).__name__}: {exc}"))] * len(ops)
+            results = [
+                Result.error(
+                    ServerFault(f"internal error while running {name}: {type(exc).__name__}: {exc}")
+                )
+            ] * len(ops)
         if name != "control":
             self._count_batch(name, ops)
         for op, result in zip(ops, results, strict=True):

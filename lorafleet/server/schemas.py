@@ -107,7 +107,9 @@ class ModelRef(_Body):
 class OptimStep(_Body):
     model_id: str
     seq_id: SeqId
-    optim_params: dict[str, Any] = Field(validation_alias=AliasChoices("optim_params", "adam_params", "optimizer_params"))
+    optim_params: dict[str, Any] = Field(
+        validation_alias=AliasChoices("optim_params", "adam_params", "optimizer_params")
+    )
 
 
 class SaveWeights(_Body):

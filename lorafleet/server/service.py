@@ -66,7 +66,9 @@ class ServerConfig:
     batch_window_s: float = 0.005  # lets requests that arrive together share a batch
     gap_timeout_s: float = 600.0
     future_ttl_s: float = 24 * 3600.0
-    session_timeout_s: float = 900.0  # no heartbeat for this long: the session's models are unloaded
+    session_timeout_s: float = (
+        900.0  # no heartbeat for this long: the session's models are unloaded
+    )
     maintenance_interval_s: float = 60.0
     max_body_bytes: int = 64 << 20  # protobuf forward_backward bodies; the SDK sends <= 5 MB chunks
     max_json_bytes: int = 8 << 20  # every JSON body (prompts, saves, polls)
@@ -77,7 +79,9 @@ class ServerConfig:
 
 
 def _fingerprint(data: bytes | Any) -> str:
-    raw = data if isinstance(data, bytes) else json.dumps(data, sort_keys=True, default=str).encode()
+    raw = (
+        data if isinstance(data, bytes) else json.dumps(data, sort_keys=True, default=str).encode()
+    )
     return hashlib.sha256(raw).hexdigest()
 
 
@@ -88,11 +92,16 @@ def _unzstd(raw: bytes, limit: int) -> bytes:
 
     out = bytearray()
     try:
-        with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(raw), read_across_frames=True) as reader:
+        with zstandard.ZstdDecompressor().stream_reader(
+            io.BytesIO(raw), read_across_frames=True
+        ) as reader:
             while chunk := reader.read(min(1 << 20, limit + 1 - len(out))):
                 out += chunk
                 if len(out) > limit:
-                    raise UserError(f"the zstd request body decompresses to more than this server's limit of {limit} bytes", status=413)
+                    raise UserError(
+                        f"the zstd request body decompresses to more than this server's limit of {limit} bytes",
+                        status=413,
+                    )
     except zstandard.ZstdError as exc:
         raise UserError(f"request body is not valid zstd: {exc}") from None
     if not out and raw:
@@ -120,10 +129,14 @@ def adam_hparams(params: dict[str, Any]) -> AdamHParams:
     params = dict(params)
     kind = params.pop("type", None)
     if kind not in (None, "adam", "adamw"):
-        raise UserError(f"optimizer {kind!r} is not supported by this server; send adam_params (AdamW)")
+        raise UserError(
+            f"optimizer {kind!r} is not supported by this server; send adam_params (AdamW)"
+        )
     unknown = sorted(set(params) - set(_ADAM_FIELDS))
     if unknown:
-        raise UserError(f"adam_params has unknown field(s) {unknown}; known: {', '.join(_ADAM_FIELDS)}")
+        raise UserError(
+            f"adam_params has unknown field(s) {unknown}; known: {', '.join(_ADAM_FIELDS)}"
+        )
     values: dict[str, float] = {}
     for key, value in params.items():
         if isinstance(value, bool) or not isinstance(value, int | float):
@@ -143,7 +156,9 @@ class Service:
         self.config = config
         self.data_dir = ensure_private_dir(Path(config.data_dir).expanduser().resolve())
         db_path = self.data_dir / "lorafleet.db"
-        os.close(os.open(db_path, os.O_CREAT | os.O_RDWR, 0o600))  # SQLite's -wal/-shm inherit this mode
+        os.close(
+            os.open(db_path, os.O_CREAT | os.O_RDWR, 0o600)
+        )  # SQLite's -wal/-shm inherit this mode
         self.store = Store(db_path)
         self.recovered = self._recover()
         self.keys = KeyRing(config.api_keys)
@@ -157,7 +172,9 @@ class Service:
         )
         self.scheduler.start(lambda: self._build_executor(engine)).result()
         self.executor: Executor = self.scheduler.executor
-        self.model_names = list(dict.fromkeys([self.executor.base_id, str(self.executor.base_path)]))
+        self.model_names = list(
+            dict.fromkeys([self.executor.base_id, str(self.executor.base_path)])
+        )
         self.started_at = time.time()
         self._last_maintenance = time.monotonic()
 
@@ -228,12 +245,21 @@ class Service:
         }
 
     def dynamic_config(self) -> dict[str, Any]:
-        return {"refresh_interval_sec": 300, "sample_cancel_enabled": False, "sample_cancel_max_batch_size": 64}
+        return {
+            "refresh_interval_sec": 300,
+            "sample_cancel_enabled": False,
+            "sample_cancel_max_batch_size": 64,
+        }
 
     def capabilities(self) -> dict[str, Any]:
         return {
             "supported_models": [
-                {"model_name": name, "max_context_length": self.executor.context_length, "trainable": True, "sampleable": True}
+                {
+                    "model_name": name,
+                    "max_context_length": self.executor.context_length,
+                    "trainable": True,
+                    "sampleable": True,
+                }
                 for name in self.model_names
             ]
         }
@@ -249,7 +275,9 @@ class Service:
                     return name
             except (OSError, RuntimeError, ValueError):  # ValueError: a NUL byte in the name
                 pass
-        raise UserError(f"{field} {name!r} is not served here; this server serves {' or '.join(map(repr, self.model_names))}")
+        raise UserError(
+            f"{field} {name!r} is not served here; this server serves {' or '.join(map(repr, self.model_names))}"
+        )
 
     # ================================================================== ownership lookups
     def _session(self, tenant: Tenant, session_id: str, *, active: bool = True) -> SessionRow:
@@ -299,7 +327,11 @@ class Service:
     @staticmethod
     def _promise(request_id: str, model_id: str | None = None) -> dict[str, Any]:
         """The SDK's UntypedAPIFuture."""
-        return {"request_id": request_id} if model_id is None else {"request_id": request_id, "model_id": model_id}
+        return (
+            {"request_id": request_id}
+            if model_id is None
+            else {"request_id": request_id, "model_id": model_id}
+        )
 
     def _prior(self, tenant: Tenant, scope: str, seq_id: int, fingerprint: str) -> str | None:
         """Dedup on (scope, seq_id): a retry gets the original future, a different payload an error."""
@@ -328,18 +360,34 @@ class Service:
             if prior is not None:
                 return self._promise(prior, model_id)
         request_id = str(uuid.uuid4())
-        self.futures.create(request_id, tenant.id, kind=kind, scope=scope, seq_id=seq_id, fingerprint=fingerprint)
+        self.futures.create(
+            request_id, tenant.id, kind=kind, scope=scope, seq_id=seq_id, fingerprint=fingerprint
+        )
         if isinstance(payload, ApiError) and not ordered:
             self.futures.complete(request_id, Result.error(payload))
         else:
             op_kind = "fail" if isinstance(payload, ApiError) else kind
             self.scheduler.submit(
-                Op(request_id, op_kind, tenant.id, payload, model_id=model_id, seq_id=seq_id if ordered else None, scope=scope or model_id)
+                Op(
+                    request_id,
+                    op_kind,
+                    tenant.id,
+                    payload,
+                    model_id=model_id,
+                    seq_id=seq_id if ordered else None,
+                    scope=scope or model_id,
+                )
             )
         return self._promise(request_id, model_id)
 
     def _submit_for_model(
-        self, tenant: Tenant, model_id: str, seq_id: int, kind: str, build: Callable[[], Any], fingerprint: str
+        self,
+        tenant: Tenant,
+        model_id: str,
+        seq_id: int,
+        kind: str,
+        build: Callable[[], Any],
+        fingerprint: str,
     ) -> dict[str, Any]:
         """An ordered operation on a model; `build()` parses the payload (errors fail the future)."""
         row = self._model(tenant, model_id)
@@ -348,14 +396,33 @@ class Service:
         except ApiError as exc:
             payload = exc
         if row.status != "active":
-            reason = {"lost": "the server restarted", "unloaded": "its session finished"}.get(row.status, row.status)
+            reason = {"lost": "the server restarted", "unloaded": "its session finished"}.get(
+                row.status, row.status
+            )
             payload = UserError(
                 f"model {model_id!r} is not loaded any more ({reason}); resume it from a checkpoint with "
                 "create_training_client_from_state"
             )
-            return self._submit(tenant, kind, payload, fingerprint=fingerprint, model_id=model_id, scope=model_id, seq_id=seq_id, ordered=False)
+            return self._submit(
+                tenant,
+                kind,
+                payload,
+                fingerprint=fingerprint,
+                model_id=model_id,
+                scope=model_id,
+                seq_id=seq_id,
+                ordered=False,
+            )
         self.store.touch_model(model_id)
-        return self._submit(tenant, kind, payload, fingerprint=fingerprint, model_id=model_id, scope=model_id, seq_id=seq_id)
+        return self._submit(
+            tenant,
+            kind,
+            payload,
+            fingerprint=fingerprint,
+            model_id=model_id,
+            scope=model_id,
+            seq_id=seq_id,
+        )
 
     # ================================================================== models
     def submit_create_model(self, tenant: Tenant, body: Any) -> dict[str, Any]:
@@ -364,21 +431,37 @@ class Service:
         self.check_base_model(req.base_model)
         kind = (req.optimizer_config or {}).get("type", "adamw")
         if kind not in ("adam", "adamw"):
-            raise UserError(f"optimizer_config.type {kind!r} is not supported by this server; use AdamW")
+            raise UserError(
+                f"optimizer_config.type {kind!r} is not supported by this server; use AdamW"
+            )
         lora = req.lora_config
         r_max = self.executor.config.max_lora_rank
         if not 1 <= lora.rank <= r_max:
-            raise UserError(f"lora_config.rank must be between 1 and {r_max} on this server, got {lora.rank}")
+            raise UserError(
+                f"lora_config.rank must be between 1 and {r_max} on this server, got {lora.rank}"
+            )
         if not (lora.train_attn or lora.train_mlp or lora.train_unembed):
-            raise UserError("lora_config: train_attn, train_mlp and train_unembed are all false; nothing would train")
+            raise UserError(
+                "lora_config: train_attn, train_mlp and train_unembed are all false; nothing would train"
+            )
         model_id = f"{req.session_id}:train:{req.model_seq_id}"
         lora_dict = {**lora.model_dump(), "alpha": self.executor.config.lora_alpha}
         args = CreateArgs(req.session_id, req.base_model, lora_dict, req.user_metadata)
         fingerprint = _fingerprint(body)
-        if self.store.find_future(model_id, 0) is None and self.store.get_model(model_id) is not None:
+        if (
+            self.store.find_future(model_id, 0) is None
+            and self.store.get_model(model_id) is not None
+        ):
             raise Conflict(f"model {model_id!r} already exists")
         return self._submit(
-            tenant, "create_model", args, fingerprint=fingerprint, model_id=model_id, scope=model_id, seq_id=0, ordered=False
+            tenant,
+            "create_model",
+            args,
+            fingerprint=fingerprint,
+            model_id=model_id,
+            scope=model_id,
+            seq_id=0,
+            ordered=False,
         )
 
     def get_info(self, tenant: Tenant, body: Any) -> dict[str, Any]:
@@ -386,7 +469,11 @@ class Service:
         row = self._model(tenant, req.model_id)
         return {
             "model_id": row.model_id,
-            "model_data": {"arch": self.executor.arch, "model_name": row.base_model, "tokenizer_id": str(self.executor.base_path)},
+            "model_data": {
+                "arch": self.executor.arch,
+                "model_name": row.base_model,
+                "tokenizer_id": str(self.executor.base_path),
+            },
             "is_lora": True,
             "lora_rank": row.lora_rank,
             "model_name": row.base_model,
@@ -395,44 +482,73 @@ class Service:
         }
 
     # ================================================================== training
-    def submit_forward_backward(self, tenant: Tenant, raw: bytes, content_encoding: str | None) -> dict[str, Any]:
+    def submit_forward_backward(
+        self, tenant: Tenant, raw: bytes, content_encoding: str | None
+    ) -> dict[str, Any]:
         if content_encoding and content_encoding.lower() not in ("identity",):
             if content_encoding.lower() != "zstd":
-                raise UserError(f"Content-Encoding {content_encoding!r} is not supported (only zstd)")
+                raise UserError(
+                    f"Content-Encoding {content_encoding!r} is not supported (only zstd)"
+                )
             raw = _unzstd(raw, self.config.max_body_bytes)
         msg = proto.parse_forward_backward(raw)
         kind = "forward" if msg.forward_only else "forward_backward"
-        return self._submit_for_model(tenant, msg.model_id, msg.seq_id, kind, lambda: proto.decode_call(msg), _fingerprint(raw))
+        return self._submit_for_model(
+            tenant,
+            msg.model_id,
+            msg.seq_id,
+            kind,
+            lambda: proto.decode_call(msg),
+            _fingerprint(raw),
+        )
 
     def submit_optim_step(self, tenant: Tenant, body: Any) -> dict[str, Any]:
         req = schemas.parse(schemas.OptimStep, body)
         return self._submit_for_model(
-            tenant, req.model_id, req.seq_id, "optim_step", lambda: adam_hparams(req.optim_params), _fingerprint(body)
+            tenant,
+            req.model_id,
+            req.seq_id,
+            "optim_step",
+            lambda: adam_hparams(req.optim_params),
+            _fingerprint(body),
         )
 
     def submit_save_weights(self, tenant: Tenant, body: Any) -> dict[str, Any]:
         req = schemas.parse(schemas.SaveWeights, body)
 
         def build() -> SaveArgs:
-            return SaveArgs(checkpoint_name(req.path), req.overwrite, _expires(req.ttl_seconds), req.user_metadata)
+            return SaveArgs(
+                checkpoint_name(req.path),
+                req.overwrite,
+                _expires(req.ttl_seconds),
+                req.user_metadata,
+            )
 
-        return self._submit_for_model(tenant, req.model_id, req.seq_id, "save_weights", build, _fingerprint(body))
+        return self._submit_for_model(
+            tenant, req.model_id, req.seq_id, "save_weights", build, _fingerprint(body)
+        )
 
     def submit_save_for_sampler(self, tenant: Tenant, body: Any) -> dict[str, Any]:
         req = schemas.parse(schemas.SaveWeightsForSampler, body)
 
         def build() -> SaveSamplerArgs:
             if req.path is None and req.sampling_session_seq_id is None:
-                raise UserError("save_weights_for_sampler needs a path (name) or a sampling_session_seq_id")
+                raise UserError(
+                    "save_weights_for_sampler needs a path (name) or a sampling_session_seq_id"
+                )
             name = None if req.path is None else checkpoint_name(req.path)
-            return SaveSamplerArgs(name, req.sampling_session_seq_id, _expires(req.ttl_seconds), req.user_metadata)
+            return SaveSamplerArgs(
+                name, req.sampling_session_seq_id, _expires(req.ttl_seconds), req.user_metadata
+            )
 
         # The SDK draws a new sampling_session_seq_id on every attempt of the same request
         # (save_weights_and_get_sampling_client), so it is left out of the retry fingerprint: a
         # retry whose first attempt reached us gets that attempt's future (whose result names
         # the sampling session actually created), not a "different request" conflict.
         same_request = {k: v for k, v in body.items() if k != "sampling_session_seq_id"}
-        return self._submit_for_model(tenant, req.model_id, req.seq_id, "save_sampler", build, _fingerprint(same_request))
+        return self._submit_for_model(
+            tenant, req.model_id, req.seq_id, "save_sampler", build, _fingerprint(same_request)
+        )
 
     def submit_load_weights(self, tenant: Tenant, body: Any) -> dict[str, Any]:
         req = schemas.parse(schemas.LoadWeights, body)
@@ -444,21 +560,41 @@ class Service:
                 self.check_base_model(req.base_model)
             kind = (req.optimizer_config or {}).get("type", "adamw")
             if kind not in ("adam", "adamw"):
-                raise UserError(f"optimizer_config.type {kind!r} is not supported by this server; use AdamW")
+                raise UserError(
+                    f"optimizer_config.type {kind!r} is not supported by this server; use AdamW"
+                )
             model_id = f"{req.session_id}:train:{req.model_seq_id}"
-            if self.store.find_future(model_id, 0) is None and self.store.get_model(model_id) is not None:
+            if (
+                self.store.find_future(model_id, 0) is None
+                and self.store.get_model(model_id) is not None
+            ):
                 raise Conflict(f"model {model_id!r} already exists")
-            args = FromStateArgs(req.session_id, req.base_model, checkpoint, req.optimizer, req.user_metadata)
+            args = FromStateArgs(
+                req.session_id, req.base_model, checkpoint, req.optimizer, req.user_metadata
+            )
             return self._submit(
-                tenant, "create_from_state", args, fingerprint=fingerprint, model_id=model_id, scope=model_id, seq_id=0, ordered=False
+                tenant,
+                "create_from_state",
+                args,
+                fingerprint=fingerprint,
+                model_id=model_id,
+                scope=model_id,
+                seq_id=0,
+                ordered=False,
             )
         if req.model_id is not None and req.seq_id is not None:
 
             def build() -> LoadArgs:
-                return LoadArgs(self._checkpoint(tenant, parse_tinker_path(req.path)), req.optimizer)
+                return LoadArgs(
+                    self._checkpoint(tenant, parse_tinker_path(req.path)), req.optimizer
+                )
 
-            return self._submit_for_model(tenant, req.model_id, req.seq_id, "load_weights", build, fingerprint)
-        raise UserError("load_weights needs session_id + model_seq_id (create from state) or model_id + seq_id (load_state)")
+            return self._submit_for_model(
+                tenant, req.model_id, req.seq_id, "load_weights", build, fingerprint
+            )
+        raise UserError(
+            "load_weights needs session_id + model_seq_id (create from state) or model_id + seq_id (load_state)"
+        )
 
     # ================================================================== sampling
     def create_sampling_session(self, tenant: Tenant, body: Any) -> dict[str, Any]:
@@ -468,7 +604,11 @@ class Service:
         adapter_id: str | None = None
         if req.model_path is not None:
             checkpoint = self._checkpoint(tenant, parse_tinker_path(req.model_path, "model_path"))
-            base_model = self.check_base_model(req.base_model) if req.base_model else checkpoint.info["base_model"]
+            base_model = (
+                self.check_base_model(req.base_model)
+                if req.base_model
+                else checkpoint.info["base_model"]
+            )
             adapter_id = checkpoint.tinker_path
         elif req.base_model is not None:
             base_model = self.check_base_model(req.base_model)
@@ -476,13 +616,25 @@ class Service:
             raise UserError("create_sampling_session needs base_model or model_path")
         existing = self.store.get_sampling_session(sampler_id)
         if existing is not None:
-            if existing.tenant == tenant.id and existing.model_path == req.model_path and existing.adapter_id == adapter_id:
+            if (
+                existing.tenant == tenant.id
+                and existing.model_path == req.model_path
+                and existing.adapter_id == adapter_id
+            ):
                 return {"sampling_session_id": sampler_id, "type": "create_sampling_session"}
-            raise Conflict(f"sampling_session_seq_id {req.sampling_session_seq_id} is already used in session {req.session_id}")
+            raise Conflict(
+                f"sampling_session_seq_id {req.sampling_session_seq_id} is already used in session {req.session_id}"
+            )
         self.store.add_sampling_session(
             SamplingSessionRow(
-                sampler_id, tenant.id, req.session_id, base_model, req.model_path, adapter_id,
-                0 if adapter_id is not None else None, time.time(),
+                sampler_id,
+                tenant.id,
+                req.session_id,
+                base_model,
+                req.model_path,
+                adapter_id,
+                0 if adapter_id is not None else None,
+                time.time(),
             )
         )
         return {"sampling_session_id": sampler_id, "type": "create_sampling_session"}
@@ -495,12 +647,18 @@ class Service:
 
     def get_sampler(self, tenant: Tenant, sampler_id: str) -> dict[str, Any]:
         row = self._sampler(tenant, sampler_id)
-        return {"sampler_id": row.sampling_session_id, "base_model": row.base_model, "model_path": row.model_path}
+        return {
+            "sampler_id": row.sampling_session_id,
+            "base_model": row.base_model,
+            "model_path": row.model_path,
+        }
 
     def submit_sample(self, tenant: Tenant, body: Any) -> dict[str, Any]:
         req = schemas.parse(schemas.Sample, body)
         if not 1 <= req.num_samples <= self.config.max_num_samples:
-            raise UserError(f"num_samples must be between 1 and {self.config.max_num_samples}, got {req.num_samples}")
+            raise UserError(
+                f"num_samples must be between 1 and {self.config.max_num_samples}, got {req.num_samples}"
+            )
         scope: str | None = None
         adapter: tuple[str, int] | None = None
         checkpoint_path: str | None = None
@@ -523,40 +681,67 @@ class Service:
             payload = exc
         seq_id = req.seq_id if scope is not None else None
         result = self._submit(
-            tenant, "sample", payload, fingerprint=_fingerprint(body), scope=scope, seq_id=seq_id, ordered=False,
+            tenant,
+            "sample",
+            payload,
+            fingerprint=_fingerprint(body),
+            scope=scope,
+            seq_id=seq_id,
+            ordered=False,
         )
-        result["sample_sequence_ids"] = [f"{result['request_id']}:{i}" for i in range(req.num_samples)]
+        result["sample_sequence_ids"] = [
+            f"{result['request_id']}:{i}" for i in range(req.num_samples)
+        ]
         return result
 
     @staticmethod
-    def _sample_args(req: schemas.Sample, adapter: tuple[str, int] | None, checkpoint_path: str | None) -> SampleArgs:
+    def _sample_args(
+        req: schemas.Sample, adapter: tuple[str, int] | None, checkpoint_path: str | None
+    ) -> SampleArgs:
         prompt: list[int] = []
         for i, chunk in enumerate(req.prompt.chunks):
             if chunk.type != "encoded_text" or chunk.tokens is None:
-                raise UserError(f"prompt.chunks[{i}] is a {chunk.type!r} chunk; this server takes encoded_text only")
+                raise UserError(
+                    f"prompt.chunks[{i}] is a {chunk.type!r} chunk; this server takes encoded_text only"
+                )
             prompt += chunk.tokens
         if req.target_prompt_logprobs is not None:
             raise UserError("target_prompt_logprobs is not supported by this server")
         if req.prompt_alt_tokens_k:
-            raise UserError(f"prompt_alt_tokens_k={req.prompt_alt_tokens_k} is not supported by this server (use 0)")
+            raise UserError(
+                f"prompt_alt_tokens_k={req.prompt_alt_tokens_k} is not supported by this server (use 0)"
+            )
         wants_prompt = bool(req.prompt_logprobs)
         last_n = req.prompt_logprobs_last_n
         if last_n is not None:
             if not (wants_prompt or req.topk_prompt_logprobs):
                 raise UserError("prompt_logprobs_last_n needs prompt_logprobs=true")
             if not 1 <= last_n <= len(prompt) - 1:
-                raise UserError(f"prompt_logprobs_last_n must be between 1 and len(prompt) - 1 = {len(prompt) - 1}, got {last_n}")
+                raise UserError(
+                    f"prompt_logprobs_last_n must be between 1 and len(prompt) - 1 = {len(prompt) - 1}, got {last_n}"
+                )
         p = req.sampling_params
         for name, value in (("temperature", p.temperature), ("top_p", p.top_p)):
             if not math.isfinite(value):
                 raise UserError(f"sampling_params.{name} must be finite, got {value!r}")
         params = SamplingParams(
-            max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, stop=p.stop, seed=p.seed
+            max_tokens=p.max_tokens,
+            temperature=p.temperature,
+            top_k=p.top_k,
+            top_p=p.top_p,
+            stop=p.stop,
+            seed=p.seed,
         )
         return SampleArgs(
-            prompt=prompt, params=params, num_samples=req.num_samples, prompt_logprobs=wants_prompt,
-            topk_prompt=req.topk_prompt_logprobs, topk_sample=req.topk_sample_logprobs, last_n=last_n,
-            adapter=adapter, checkpoint_path=checkpoint_path,
+            prompt=prompt,
+            params=params,
+            num_samples=req.num_samples,
+            prompt_logprobs=wants_prompt,
+            topk_prompt=req.topk_prompt_logprobs,
+            topk_sample=req.topk_sample_logprobs,
+            last_n=last_n,
+            adapter=adapter,
+            checkpoint_path=checkpoint_path,
         )
 
     # ================================================================== futures
@@ -590,25 +775,34 @@ class Service:
             "lora_rank": row.lora_rank,
             "last_request_time": _iso(row.last_request_time),
             "last_checkpoint": None if last is None else self._checkpoint_json(last),
-            "last_sampler_checkpoint": None if last_sampler is None else self._checkpoint_json(last_sampler),
+            "last_sampler_checkpoint": None
+            if last_sampler is None
+            else self._checkpoint_json(last_sampler),
             "user_metadata": _str_dict(row.user_metadata),
         }
 
     @staticmethod
     def _page(limit: int, offset: int) -> tuple[int, int]:
         if not 1 <= limit <= 1000 or not 0 <= offset <= schemas.INT64_MAX:
-            raise UserError(f"limit must be in [1, 1000] and offset >= 0, got limit={limit}, offset={offset}")
+            raise UserError(
+                f"limit must be in [1, 1000] and offset >= 0, got limit={limit}, offset={offset}"
+            )
         return limit, offset
 
     def list_training_runs(self, tenant: Tenant, limit: int, offset: int) -> dict[str, Any]:
         limit, offset = self._page(limit, offset)
         rows, total = self.store.list_models(tenant.id, limit, offset)
-        return {"training_runs": [self._run_json(r) for r in rows], "cursor": {"offset": offset, "limit": limit, "total_count": total}}
+        return {
+            "training_runs": [self._run_json(r) for r in rows],
+            "cursor": {"offset": offset, "limit": limit, "total_count": total},
+        }
 
     def get_training_run(self, tenant: Tenant, run_id: str) -> dict[str, Any]:
         return self._run_json(self._model(tenant, run_id))
 
-    def list_checkpoints(self, tenant: Tenant, run_id: str | None, limit: int = 1000, offset: int = 0) -> dict[str, Any]:
+    def list_checkpoints(
+        self, tenant: Tenant, run_id: str | None, limit: int = 1000, offset: int = 0
+    ) -> dict[str, Any]:
         limit, offset = self._page(limit, offset)
         if run_id is not None:
             self._model(tenant, run_id)
@@ -623,9 +817,13 @@ class Service:
         row = self._checkpoint(tenant, path)
         return self.scheduler.call(lambda: self.executor.delete_checkpoint(row))
 
-    def set_checkpoint_ttl(self, tenant: Tenant, run_id: str, checkpoint_id: str, body: Any) -> dict[str, Any]:
+    def set_checkpoint_ttl(
+        self, tenant: Tenant, run_id: str, checkpoint_id: str, body: Any
+    ) -> dict[str, Any]:
         req = schemas.parse(schemas.SetTtl, body)
-        row = self._checkpoint(tenant, parse_tinker_path(f"tinker://{run_id}/{checkpoint_id}", "checkpoint_id"))
+        row = self._checkpoint(
+            tenant, parse_tinker_path(f"tinker://{run_id}/{checkpoint_id}", "checkpoint_id")
+        )
         row.expires_at = _expires(req.ttl_seconds)
         self.store.put_checkpoint(row)
         return {}

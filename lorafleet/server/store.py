@@ -176,9 +176,13 @@ class Store:
             self._db.executescript(_SCHEMA)
             row = self._db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
             if row is None:
-                self._db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+                self._db.execute(
+                    "INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
+                )
             elif int(row["value"]) != SCHEMA_VERSION:
-                raise RuntimeError(f"{self.path}: schema version {row['value']}, this server speaks {SCHEMA_VERSION}")
+                raise RuntimeError(
+                    f"{self.path}: schema version {row['value']}, this server speaks {SCHEMA_VERSION}"
+                )
 
     def close(self) -> None:
         with self._lock:
@@ -224,7 +228,9 @@ class Store:
         return SessionRow(**data)
 
     def heartbeat(self, session_id: str) -> None:
-        self._run("UPDATE sessions SET last_heartbeat=? WHERE session_id=?", (time.time(), session_id))
+        self._run(
+            "UPDATE sessions SET last_heartbeat=? WHERE session_id=?", (time.time(), session_id)
+        )
 
     def finish_session(self, session_id: str, reason: str | None) -> None:
         self._run(
@@ -234,7 +240,8 @@ class Store:
 
     def stale_sessions(self, heartbeat_before: float) -> list[SessionRow]:
         rows = self._all(
-            "SELECT session_id FROM sessions WHERE finished_at IS NULL AND last_heartbeat < ?", (heartbeat_before,)
+            "SELECT session_id FROM sessions WHERE finished_at IS NULL AND last_heartbeat < ?",
+            (heartbeat_before,),
         )
         return [s for s in (self.get_session(r["session_id"]) for r in rows) if s is not None]
 
@@ -243,8 +250,16 @@ class Store:
         self._run(
             "INSERT INTO models VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
-                row.model_id, row.tenant, row.session_id, row.base_model, row.lora_rank,
-                _json(row.lora), _json(row.user_metadata), row.created_at, row.last_request_time, row.status,
+                row.model_id,
+                row.tenant,
+                row.session_id,
+                row.base_model,
+                row.lora_rank,
+                _json(row.lora),
+                _json(row.user_metadata),
+                row.created_at,
+                row.last_request_time,
+                row.status,
             ),
         )
 
@@ -266,7 +281,10 @@ class Store:
         self._run("UPDATE models SET last_request_time=? WHERE model_id=?", (time.time(), model_id))
 
     def session_models(self, session_id: str) -> list[ModelRow]:
-        return [self._model(r) for r in self._all("SELECT * FROM models WHERE session_id=?", (session_id,))]
+        return [
+            self._model(r)
+            for r in self._all("SELECT * FROM models WHERE session_id=?", (session_id,))
+        ]
 
     def list_models(self, tenant: str, limit: int, offset: int) -> tuple[list[ModelRow], int]:
         rows = self._all(
@@ -282,7 +300,13 @@ class Store:
 
     # ------------------------------------------------------------------ futures
     def add_future(
-        self, request_id: str, tenant: str, scope: str | None, seq_id: int | None, kind: str, fingerprint: str | None
+        self,
+        request_id: str,
+        tenant: str,
+        scope: str | None,
+        seq_id: int | None,
+        kind: str,
+        fingerprint: str | None,
     ) -> None:
         self._run(
             "INSERT INTO futures VALUES (?, ?, ?, ?, ?, ?, 'pending', NULL, NULL, ?, NULL)",
@@ -315,15 +339,26 @@ class Store:
 
     def prune_futures(self, older_than: float) -> int:
         """Results are kept for retries and late polls, not forever."""
-        return self._run("DELETE FROM futures WHERE state!='pending' AND finished_at < ?", (older_than,))
+        return self._run(
+            "DELETE FROM futures WHERE state!='pending' AND finished_at < ?", (older_than,)
+        )
 
     # ------------------------------------------------------------------ checkpoints
     def put_checkpoint(self, row: CheckpointRow) -> None:
         self._run(
             "INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
-                row.tinker_path, row.tenant, row.model_id, row.kind, row.name, row.dir, row.created_at,
-                row.size_bytes, _json(row.user_metadata), row.expires_at, _json(row.info),
+                row.tinker_path,
+                row.tenant,
+                row.model_id,
+                row.kind,
+                row.name,
+                row.dir,
+                row.created_at,
+                row.size_bytes,
+                _json(row.user_metadata),
+                row.expires_at,
+                _json(row.info),
             ),
         )
 
@@ -370,11 +405,19 @@ class Store:
         self._run(
             "INSERT INTO sampling_sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
             (
-                row.sampling_session_id, row.tenant, row.session_id, row.base_model, row.model_path,
-                row.adapter_id, row.adapter_version, row.created_at,
+                row.sampling_session_id,
+                row.tenant,
+                row.session_id,
+                row.base_model,
+                row.model_path,
+                row.adapter_id,
+                row.adapter_version,
+                row.created_at,
             ),
         )
 
     def get_sampling_session(self, sampling_session_id: str) -> SamplingSessionRow | None:
-        row = self._one("SELECT * FROM sampling_sessions WHERE sampling_session_id=?", (sampling_session_id,))
+        row = self._one(
+            "SELECT * FROM sampling_sessions WHERE sampling_session_id=?", (sampling_session_id,)
+        )
         return None if row is None else SamplingSessionRow(**dict(row))

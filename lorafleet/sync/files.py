@@ -144,7 +144,11 @@ def stage_peft(staging: Staging, update: AdapterUpdate, *, expert_layout: str = 
 
     def write(dest: Path) -> None:
         export_peft(
-            update.bank, update.slot, dest, base_model_name_or_path=update.base_model_id, expert_layout=expert_layout
+            update.bank,
+            update.slot,
+            dest,
+            base_model_name_or_path=update.base_model_id,
+            expert_layout=expert_layout,
         )
 
     return staging.stage(update.version.name, write)

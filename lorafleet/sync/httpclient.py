@@ -38,7 +38,7 @@ def validate_base_url(url: str, field: str = "base_url") -> str:
     if parts.query or parts.fragment:
         raise ValueError(f"{field} must not have a query or fragment: {url!r}")
     try:
-        parts.port  # noqa: B018 (raises ValueError on a bad port)
+        parts.port  # noqa: B018 - raises ValueError on a bad port
     except ValueError as exc:
         raise ValueError(f"{field} has an invalid port: {url!r}") from exc
     return url.rstrip("/")

@@ -288,7 +288,7 @@ class _Handler(BaseHTTPRequestHandler):
     server: StagingServer
     protocol_version = "HTTP/1.1"
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (stdlib signature)
+    def log_message(self, format: str, *args: Any) -> None:  # stdlib signature
         if os.environ.get("LORAFLEET_STAGING_VERBOSE"):
             super().log_message(format, *args)
 
@@ -343,13 +343,13 @@ class _Handler(BaseHTTPRequestHandler):
             return None
         return self.path[len(ROUTE) :]
 
-    def do_GET(self) -> None:  # noqa: N802 (stdlib naming)
+    def do_GET(self) -> None:  # stdlib naming
         if self.path == "/healthz":
             self._reply(HTTPStatus.OK, {"ok": True})
         else:
             self._reply(HTTPStatus.NOT_FOUND, {"error": f"no route {self.path!r}"})
 
-    def do_PUT(self) -> None:  # noqa: N802
+    def do_PUT(self) -> None:
         if not self._authorized():
             return
         name = self._name()
@@ -386,7 +386,7 @@ class _Handler(BaseHTTPRequestHandler):
             )
         return length
 
-    def do_DELETE(self) -> None:  # noqa: N802
+    def do_DELETE(self) -> None:
         if not self._authorized():
             return
         name = self._name()

@@ -135,7 +135,7 @@ class TrainEngine:
         # Sharded (FSDP) training: each rank runs its share of a micro-batch, and every rank must
         # take the same branch (backward, or raise) or the others wait forever in a collective
         # (a sharded base also keeps the plain path, one forward per micro-batch on every rank).
-        # Given "this rank's losses are finite", it returns whether all ranks' are (lorafleet.dist).
+        # Given "this rank's losses are finite", it returns whether all ranks' are (lorafleet.distributed).
         self.all_ranks_ok: Callable[[bool], bool] | None = None
 
     # ---------------------------------------------------------------- adapters
@@ -152,7 +152,9 @@ class TrainEngine:
         self.hparams.pop(slot, None)
 
     # ---------------------------------------------------------------- validation
-    def prepare(self, items: Sequence[TrainItem], *, allow_base: bool = False) -> list[PreparedItem]:
+    def prepare(
+        self, items: Sequence[TrainItem], *, allow_base: bool = False
+    ) -> list[PreparedItem]:
         """Validates every item before anything runs; raises TrainInputError on the first bad one.
 
         `allow_base` also accepts slot 0 (BASE_SLOT), the frozen base model: forward-only

@@ -13,6 +13,7 @@ Every position of every item maps to one row of the flattened final hidden state
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -57,7 +58,7 @@ def find_groups(
     # lcp[j]: common prefix of order[j] and order[j + 1]; 0 across slots, so runs never mix them
     lcp = [
         _common_prefix(tokens[a], tokens[b]) if slots[a] == slots[b] else 0
-        for a, b in zip(order, order[1:], strict=False)
+        for a, b in itertools.pairwise(order)
     ]
     # Spans [lo, hi) of `order`, parents before children; then resolved children first.
     spans: list[tuple[int, int]] = []
@@ -70,7 +71,7 @@ def find_groups(
             continue
         low = min(lcp[lo : hi - 1])
         cuts = [lo] + [j + 1 for j in range(lo, hi - 1) if lcp[j] == low] + [hi]
-        children[lo, hi] = list(zip(cuts, cuts[1:], strict=False))
+        children[lo, hi] = list(itertools.pairwise(cuts))
         todo.extend(children[lo, hi])
     best: dict[tuple[int, int], list[Unit]] = {}
     for lo, hi in reversed(spans):

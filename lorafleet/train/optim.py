@@ -297,7 +297,9 @@ class BankAdamW:
         grad_rows = [self.grads[s] for s in slots]
         grad_norm = torch.stack([torch.linalg.vector_norm(g) for g in grad_rows])
         clip_coef = torch.ones_like(grad_norm)
-        clip = torch.tensor([hp.grad_clip_norm for hp in hps], dtype=torch.float32, device=grad_norm.device)
+        clip = torch.tensor(
+            [hp.grad_clip_norm for hp in hps], dtype=torch.float32, device=grad_norm.device
+        )
         if bool((clip > 0).any()):
             # clip_grad_norm_: torch evaluates max_norm / (total + 1e-6) as
             # reciprocal(total + 1e-6) * max_norm (Tensor.__rtruediv__), then clamps to 1.

@@ -38,12 +38,16 @@ def short_env(monkeypatch):
 
 
 def tenants(*names: str, **kw) -> list[TenantConfig]:
-    base = dict(task="short", prompts_per_step=2, group_size=3, max_tokens=6, learning_rate=1e-2, rank=4)
+    base = dict(
+        task="short", prompts_per_step=2, group_size=3, max_tokens=6, learning_rate=1e-2, rank=4
+    )
     return [TenantConfig(name=n, seed=i, **(base | kw)) for i, n in enumerate(names)]
 
 
 def config(run_dir: Path, ts: list[TenantConfig], steps: int, **kw) -> RLConfig:
-    return RLConfig("tiny-qwen3", run_dir, ts, steps=steps, save_every=2, progress=False, torch_threads=1, **kw)
+    return RLConfig(
+        "tiny-qwen3", run_dir, ts, steps=steps, save_every=2, progress=False, torch_threads=1, **kw
+    )
 
 
 def test_advantages_are_centred_per_group():
@@ -103,7 +107,9 @@ def test_run_writes_metrics_curve_adapters_and_resumes(tmp_path):
     for name in ("a", "b"):
         r = results[name]
         assert r.error is None
-        rows = [json.loads(line) for line in (run_dir / name / "metrics.jsonl").read_text().splitlines()]
+        rows = [
+            json.loads(line) for line in (run_dir / name / "metrics.jsonl").read_text().splitlines()
+        ]
         assert [row["step"] for row in rows] == [0, 1, 2]
         assert all(row["rollouts"] == 6 and 0.0 <= row["reward_mean"] <= 1.0 for row in rows)
         assert any(row["trained_rows"] > 0 for row in rows)
@@ -191,7 +197,7 @@ def test_sft_rows_weigh_only_assistant_and_completion_tokens():
     prompt = tok.apply_chat_template(messages[:1], tokenize=True, add_generation_prompt=True)
     prompt = prompt if isinstance(prompt, list) else prompt["input_ids"]
     assert weights[: len(prompt)] == [0.0] * len(prompt)
-    assert all(w == 1.0 for w in weights[len(prompt):]) and len(weights) > len(prompt)
+    assert all(w == 1.0 for w in weights[len(prompt) :]) and len(weights) > len(prompt)
     tokens, weights = encode_row(tok, {"prompt": "2+2=", "completion": "4"}, "x:2")
     n_prompt = len(tok("2+2=", add_special_tokens=False)["input_ids"])
     assert weights == [0.0] * n_prompt + [1.0] * (len(tokens) - n_prompt)
@@ -213,14 +219,52 @@ def test_sft_bad_jsonl_names_the_line(tmp_path):
 def test_cli_rl_and_sft_run_end_to_end(tmp_path, capsys):
     from lorafleet.cli import main
 
-    rc = main(["rl", "--base-model", "tiny-qwen3", "--tenants", "2", "--tasks", "arithmetic,tag", "--steps", "1",
-               "--prompts", "1", "--group-size", "2", "--max-tokens", "3", "--no-progress", "--run-dir", str(tmp_path / "rl")])
+    rc = main(
+        [
+            "rl",
+            "--base-model",
+            "tiny-qwen3",
+            "--tenants",
+            "2",
+            "--tasks",
+            "arithmetic,tag",
+            "--steps",
+            "1",
+            "--prompts",
+            "1",
+            "--group-size",
+            "2",
+            "--max-tokens",
+            "3",
+            "--no-progress",
+            "--run-dir",
+            str(tmp_path / "rl"),
+        ]
+    )
     assert rc == 0
     assert (tmp_path / "rl" / "t1-tag" / "adapter" / "adapter_config.json").is_file()
     data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "completion": str(i + 1)}) + "\n" for i in range(6)))
-    rc = main(["sft", "--base-model", "tiny-qwen3", "--data", str(data), "--steps", "2", "--batch-size", "2",
-               "--no-progress", "--run-dir", str(tmp_path / "sft")])
+    data.write_text(
+        "".join(
+            json.dumps({"prompt": f"{i}+1=", "completion": str(i + 1)}) + "\n" for i in range(6)
+        )
+    )
+    rc = main(
+        [
+            "sft",
+            "--base-model",
+            "tiny-qwen3",
+            "--data",
+            str(data),
+            "--steps",
+            "2",
+            "--batch-size",
+            "2",
+            "--no-progress",
+            "--run-dir",
+            str(tmp_path / "sft"),
+        ]
+    )
     assert rc == 0
     summary = json.loads((tmp_path / "sft" / "summary.json").read_text())
     assert summary["held_out_rows"] == 1 and summary["eval_loss_after"] is not None

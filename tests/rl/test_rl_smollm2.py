@@ -22,10 +22,18 @@ RL_MARGIN = 0.12
 
 def test_rl_raises_arithmetic_reward(tmp_path):
     tenant = TenantConfig(
-        name="add", task="arithmetic:10", learning_rate=5e-4, rank=8, prompts_per_step=8, group_size=4,
-        max_tokens=16, seed=0,
+        name="add",
+        task="arithmetic:10",
+        learning_rate=5e-4,
+        rank=8,
+        prompts_per_step=8,
+        group_size=4,
+        max_tokens=16,
+        seed=0,
     )
-    results = run_rl(RLConfig("smollm2-135m", tmp_path, [tenant], steps=8, save_every=8, progress=False))
+    results = run_rl(
+        RLConfig("smollm2-135m", tmp_path, [tenant], steps=8, save_every=8, progress=False)
+    )
     r = results["add"]
     assert r.error is None, r.error
     rewards = [row["reward_mean"] for row in r.metrics]
@@ -41,13 +49,30 @@ def test_sft_lowers_held_out_loss(tmp_path):
     lines = []
     for _ in range(30):
         a, b = rng.randint(0, 50), rng.randint(0, 50)
-        lines.append(json.dumps({"messages": [
-            {"role": "user", "content": f"What is {a} + {b}?"},
-            {"role": "assistant", "content": f"Sum: <answer>{a + b}</answer>"},
-        ]}))
+        lines.append(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": f"What is {a} + {b}?"},
+                        {"role": "assistant", "content": f"Sum: <answer>{a + b}</answer>"},
+                    ]
+                }
+            )
+        )
     data.write_text("\n".join(lines) + "\n")
-    summary = run_sft(SFTConfig("smollm2-135m", data, tmp_path / "run", steps=8, batch_size=8, learning_rate=1e-3,
-                                eval_fraction=0.2, eval_every=4, progress=False))
+    summary = run_sft(
+        SFTConfig(
+            "smollm2-135m",
+            data,
+            tmp_path / "run",
+            steps=8,
+            batch_size=8,
+            learning_rate=1e-3,
+            eval_fraction=0.2,
+            eval_every=4,
+            progress=False,
+        )
+    )
     print(summary["eval_loss_before"], summary["eval_loss_after"])
     # Measured: 3.76 -> 0.28 per token after 8 steps; half is a very safe bar.
     assert summary["eval_loss_after"] < 0.5 * summary["eval_loss_before"]

@@ -24,7 +24,13 @@ VOCAB = 512  # tiny-qwen3's tokenizer
 
 
 def server_config(data_dir, port: int | None = None, **overrides) -> ServerConfig:
-    engine = EngineConfig(base_model="tiny-qwen3", max_adapters=12, sampler_slots=8, max_lora_rank=16, max_sample_rows=16)
+    engine = EngineConfig(
+        base_model="tiny-qwen3",
+        max_adapters=12,
+        sampler_slots=8,
+        max_lora_rank=16,
+        max_sample_rows=16,
+    )
     return ServerConfig(
         base_model="tiny-qwen3",
         data_dir=data_dir,
@@ -77,7 +83,9 @@ def sl_datum(tokens: list[int], weights: list[float] | None = None) -> types.Dat
     )
 
 
-def rl_datum(prompt: list[int], sampled: list[int], sampler_logprobs: list[float], advantage: float) -> types.Datum:
+def rl_datum(
+    prompt: list[int], sampled: list[int], sampler_logprobs: list[float], advantage: float
+) -> types.Datum:
     """The cookbook's layout: input = prompt + sampled[:-1], targets/logprobs/advantages 0 over the prompt."""
     pad = len(prompt) - 1
     return types.Datum(
@@ -95,5 +103,7 @@ def wait_pending(server: ServerThread, count: int, timeout: float = 30.0) -> Non
     deadline = time.monotonic() + timeout
     while server.service.scheduler.pending() < count:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"only {server.service.scheduler.pending()} of {count} operations arrived")
+            raise TimeoutError(
+                f"only {server.service.scheduler.pending()} of {count} operations arrived"
+            )
         time.sleep(0.01)

@@ -19,7 +19,9 @@ def _logprobs(result: types.ForwardBackwardOutput) -> list[np.ndarray]:
 
 
 def _step(tc, data, lr):
-    return tc.forward_backward(data, "cross_entropy"), tc.optim_step(types.AdamParams(learning_rate=lr))
+    return tc.forward_backward(data, "cross_entropy"), tc.optim_step(
+        types.AdamParams(learning_rate=lr)
+    )
 
 
 def test_two_tenants_share_batches_and_match_solo_runs(server, client_a, client_b, base_model):
@@ -53,16 +55,23 @@ def test_two_tenants_share_batches_and_match_solo_runs(server, client_a, client_
     assert stats.mixed_batches["forward_backward"] - mixed_before >= STEPS
     assert stats.cross_tenant_batches["optim_step"] - cross_before >= STEPS
     for name in ("a", "b"):
-        for (lp_alone, m_alone), (lp_mixed, m_mixed) in zip(alone[name], together[name], strict=True):
+        for (lp_alone, m_alone), (lp_mixed, m_mixed) in zip(
+            alone[name], together[name], strict=True
+        ):
             for x, y in zip(lp_alone, lp_mixed, strict=True):
                 np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
             assert np.isclose(m_alone["grad_norm:mean"], m_mixed["grad_norm:mean"], rtol=1e-5)
     # and the weights after training agree too
     for solo, mixed, data in ((solo_a, tc_a, DATA_A), (solo_b, tc_b, DATA_B)):
-        for x, y in zip(_logprobs(solo.forward(data, "cross_entropy").result()),
-                        _logprobs(mixed.forward(data, "cross_entropy").result()), strict=True):
+        for x, y in zip(
+            _logprobs(solo.forward(data, "cross_entropy").result()),
+            _logprobs(mixed.forward(data, "cross_entropy").result()),
+            strict=True,
+        ):
             np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
 
     # the counters are exposed over HTTP
-    body = httpx.get(f"{server.base_url}/api/v1/lorafleet/stats", headers={"X-API-Key": KEY_A}).json()
+    body = httpx.get(
+        f"{server.base_url}/api/v1/lorafleet/stats", headers={"X-API-Key": KEY_A}
+    ).json()
     assert body["mixed_batches"]["forward_backward"] >= STEPS

@@ -12,12 +12,17 @@ from tinker import types
 
 from tests.server.conftest import KEY_A, sl_datum
 
-DATA = [sl_datum([8, 16, 24, 32, 40, 48, 56, 64, 72, 80]), sl_datum([1 + 300, 2 + 300, 3 + 300, 4 + 300])]
+DATA = [
+    sl_datum([8, 16, 24, 32, 40, 48, 56, 64, 72, 80]),
+    sl_datum([1 + 300, 2 + 300, 3 + 300, 4 + 300]),
+]
 PROMPT = types.ModelInput.from_ints([10, 20, 30, 40])
 
 
 def _lp(tc) -> list[np.ndarray]:
-    return [o["logprobs"].to_numpy() for o in tc.forward(DATA, "cross_entropy").result().loss_fn_outputs]
+    return [
+        o["logprobs"].to_numpy() for o in tc.forward(DATA, "cross_entropy").result().loss_fn_outputs
+    ]
 
 
 def _train(tc, steps: int = 2, lr: float = 1e-2) -> None:
@@ -60,7 +65,7 @@ def test_sampler_checkpoint_samples_what_the_trainer_computes(client_a, base_mod
     assert saved == f"tinker://{tc.model_id}/sampler_weights/final"
     sampler = client_a.create_sampling_client(model_path=saved).result()
     assert sampler.get_tokenizer().vocab_size == 512  # base_model is a local dir: loads offline
-    tokens = DATA[0].model_input.to_ints() + [80]
+    tokens = [*DATA[0].model_input.to_ints(), 80]
     prompt_lp = sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result()
     assert prompt_lp[0] is None
     np.testing.assert_allclose(prompt_lp[1:], _lp(tc)[0], rtol=1e-4, atol=1e-4)
@@ -76,7 +81,9 @@ def test_sampler_checkpoint_samples_what_the_trainer_computes(client_a, base_mod
 
 
 def test_rest_listing_weights_info_and_delete(client_a, base_model, server):
-    tc = client_a.create_lora_training_client(base_model=base_model, rank=4, seed=23, user_metadata={"run": "rest"}).result()
+    tc = client_a.create_lora_training_client(
+        base_model=base_model, rank=4, seed=23, user_metadata={"run": "rest"}
+    ).result()
     _train(tc, steps=1)
     state = tc.save_state("s1").result().path
     sampler_path = tc.save_weights_for_sampler("w1").result().path
@@ -88,15 +95,22 @@ def test_rest_listing_weights_info_and_delete(client_a, base_model, server):
     assert any(c.tinker_path == state for c in rest.list_user_checkpoints().result().checkpoints)
 
     run = rest.get_training_run(tc.model_id).result()
-    assert run.lora_rank == 4 and run.base_model == base_model and run.user_metadata == {"run": "rest"}
+    assert (
+        run.lora_rank == 4 and run.base_model == base_model and run.user_metadata == {"run": "rest"}
+    )
     assert run.last_checkpoint.tinker_path == state
-    assert any(r.training_run_id == tc.model_id for r in rest.list_training_runs(limit=100).result().training_runs)
+    assert any(
+        r.training_run_id == tc.model_id
+        for r in rest.list_training_runs(limit=100).result().training_runs
+    )
 
     info = rest.get_weights_info_by_tinker_path(state).result()
     assert info.lora_rank == 4 and info.base_model == base_model and info.train_attn
 
     rest.delete_checkpoint_from_tinker_path(sampler_path).result()
-    assert [c.checkpoint_id for c in rest.list_checkpoints(tc.model_id).result().checkpoints] == ["weights/s1"]
+    assert [c.checkpoint_id for c in rest.list_checkpoints(tc.model_id).result().checkpoints] == [
+        "weights/s1"
+    ]
     with pytest.raises(tinker.NotFoundError):
         client_a.create_sampling_client(model_path=sampler_path).result()
     rest.delete_checkpoint_from_tinker_path(state).result()

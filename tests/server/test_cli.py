@@ -20,25 +20,51 @@ KEY_FILE = "tml-cli-file-key-0123456"
 
 def test_is_loopback():
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
-    assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.1") and not is_loopback("example.com")
+    assert (
+        not is_loopback("0.0.0.0")
+        and not is_loopback("10.0.0.1")
+        and not is_loopback("example.com")
+    )
 
 
 def test_serve_subcommand(tmp_path):
     port = free_port()
     key_file = tmp_path / "keys.txt"
     key_file.write_text(KEY_FILE + "\n")
-    env = {**os.environ, "LORAFLEET_API_KEYS": KEY_ENV, "HF_HUB_OFFLINE": "1", "TINKER_TELEMETRY": "0"}
+    env = {
+        **os.environ,
+        "LORAFLEET_API_KEYS": KEY_ENV,
+        "HF_HUB_OFFLINE": "1",
+        "TINKER_TELEMETRY": "0",
+    }
     command = [
-        sys.executable, "-m", "lorafleet.cli", "serve", "--base-model", "tiny-qwen3", "--port", str(port),
-        "--data-dir", str(tmp_path / "data"), "--api-key-file", str(key_file), "--torch-threads", "1",
+        sys.executable,
+        "-m",
+        "lorafleet.cli",
+        "serve",
+        "--base-model",
+        "tiny-qwen3",
+        "--port",
+        str(port),
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--api-key-file",
+        str(key_file),
+        "--torch-threads",
+        "1",
     ]
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         deadline = time.monotonic() + 90
         while True:
             assert process.poll() is None, process.stdout.read() if process.stdout else ""
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/api/v1/healthz", timeout=2).status_code == 200:
+                if (
+                    httpx.get(f"http://127.0.0.1:{port}/api/v1/healthz", timeout=2).status_code
+                    == 200
+                ):
                     break
             except httpx.TransportError:
                 pass
@@ -47,7 +73,9 @@ def test_serve_subcommand(tmp_path):
         for key in (KEY_ENV, KEY_FILE):
             rest = tinker.RestClient(base_url=f"http://127.0.0.1:{port}", api_key=key)
             names = [m.model_name for m in rest.get_server_capabilities().result().supported_models]
-            assert names[0] == "tiny-qwen3" and names[1].endswith("tiny-qwen3-" + names[1].rsplit("-", 1)[1])
+            assert names[0] == "tiny-qwen3" and names[1].endswith(
+                "tiny-qwen3-" + names[1].rsplit("-", 1)[1]
+            )
         assert oct((tmp_path / "data").stat().st_mode & 0o777) == "0o700"
         assert oct((tmp_path / "data" / "lorafleet.db").stat().st_mode & 0o777) == "0o600"
     finally:

@@ -31,7 +31,9 @@ def test_restart_keeps_checkpoints_and_fails_pending_requests(tmp_path):
         ephemeral = tc.save_weights_and_get_sampling_client().result()
         sampler = client.create_sampling_client(model_path=sampler_path).result()
         tokens_before = sampler.sample(PROMPT, 1, GREEDY).result().sequences[0].tokens
-        logprobs_before = tc.forward(DATA, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+        logprobs_before = (
+            tc.forward(DATA, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+        )
         # a request that is still queued when the process goes away
         first.service.scheduler.pause()
         pending = tc.forward_backward(DATA, "cross_entropy")
@@ -42,12 +44,19 @@ def test_restart_keeps_checkpoints_and_fails_pending_requests(tmp_path):
     second = ServerThread(config)  # same data dir, same port: the old client keeps polling
     try:
         assert second.service.recovered["failed_futures"] == 1
-        with pytest.raises(tinker.RequestFailedError, match="server restarted before this request finished"):
+        with pytest.raises(
+            tinker.RequestFailedError, match="server restarted before this request finished"
+        ):
             pending.result(timeout=60)
 
         client2 = tinker.ServiceClient(base_url=second.base_url, api_key=KEY_A)
         resumed = client2.create_training_client_from_state_with_optimizer(state).result()
-        after = resumed.forward(DATA, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+        after = (
+            resumed.forward(DATA, "cross_entropy")
+            .result()
+            .loss_fn_outputs[0]["logprobs"]
+            .to_numpy()
+        )
         np.testing.assert_array_equal(after, logprobs_before)
         resumed.forward_backward(DATA, "cross_entropy").result()
         resumed.optim_step(types.AdamParams(learning_rate=2e-2)).result()
@@ -58,7 +67,9 @@ def test_restart_keeps_checkpoints_and_fails_pending_requests(tmp_path):
         assert sampler.sample(PROMPT, 1, GREEDY).result().sequences[0].tokens == tokens_before
         with pytest.raises(tinker.RequestFailedError, match="never across a server restart"):
             ephemeral.sample(PROMPT, 1, GREEDY).result()
-        with pytest.raises(tinker.RequestFailedError, match="not loaded any more .the server restarted"):
+        with pytest.raises(
+            tinker.RequestFailedError, match="not loaded any more .the server restarted"
+        ):
             tc.forward(DATA, "cross_entropy").result()
 
         rest = tinker.RestClient(base_url=second.base_url, api_key=KEY_A)

@@ -39,7 +39,12 @@ class _StepExecutor:
         for op in ops:
             future: Future = Future()
             self.running.append(([op.payload], future))
-            pending.append(PendingSample(future, lambda value, name=op.request_id: Result.json({"done": name, "at": value})))
+            pending.append(
+                PendingSample(
+                    future,
+                    lambda value, name=op.request_id: Result.json({"done": name, "at": value}),
+                )
+            )
         return pending
 
     def step_sampler(self):
@@ -73,7 +78,9 @@ class _Futures:
 
     def wait(self, request_id, timeout=10.0):
         with self.cond:
-            assert self.cond.wait_for(lambda: request_id in self.done, timeout), f"{request_id} never finished"
+            assert self.cond.wait_for(lambda: request_id in self.done, timeout), (
+                f"{request_id} never finished"
+            )
 
 
 def test_late_samples_join_the_running_batch_and_training_runs_between_slices():

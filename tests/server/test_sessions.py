@@ -27,8 +27,14 @@ def test_full_server_and_close_frees_slots(server, base_model):
     assert _loaded(server) == 0
     client = connect(server, KEY_A)
     capacity = server.service.executor.config.max_adapters
-    clients = [client.create_lora_training_client(base_model=base_model, rank=2, seed=i).result() for i in range(capacity)]
-    with pytest.raises(tinker.RequestFailedError, match=f"all {capacity} training adapter slots of this server are in use"):
+    clients = [
+        client.create_lora_training_client(base_model=base_model, rank=2, seed=i).result()
+        for i in range(capacity)
+    ]
+    with pytest.raises(
+        tinker.RequestFailedError,
+        match=f"all {capacity} training adapter slots of this server are in use",
+    ):
         client.create_lora_training_client(base_model=base_model, rank=2).result()
     assert _loaded(server) == capacity
     client.close("success").result()
@@ -66,7 +72,9 @@ def test_ephemeral_sampler_survives_eviction_from_the_sampler_bank(server, clien
     versions = server.service.executor.versions
     key = next(k for k in versions.resident() if k[0] == tc.model_id + "#live")
     other = client_a.create_lora_training_client(base_model=base_model, rank=4, seed=53).result()
-    for i in range(server.service.executor.config.sampler_slots + 1):  # every slot taken by newer versions
+    for i in range(
+        server.service.executor.config.sampler_slots + 1
+    ):  # every slot taken by newer versions
         other.save_weights_for_sampler(f"evict-{i}").result()
     assert key not in versions.resident()
     assert sampler.compute_logprobs(prompt).result() == expected  # reloaded from its files

@@ -42,10 +42,14 @@ def test_rl_loop_sample_then_importance_sampling(client_a, base_model):
     for step in range(3):
         sampler = tc.save_weights_and_get_sampling_client().result()
         params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=100 + step, stop=[])
-        response = sampler.sample(types.ModelInput.from_ints(prompt), num_samples=4, sampling_params=params).result()
+        response = sampler.sample(
+            types.ModelInput.from_ints(prompt), num_samples=4, sampling_params=params
+        ).result()
         assert len(response.sequences) == 4
         assert len({s.sequence_id for s in response.sequences}) == 4
-        rewards = [sum(t == target for t in s.tokens) + 0.1 * s.tokens[0] / 512 for s in response.sequences]
+        rewards = [
+            sum(t == target for t in s.tokens) + 0.1 * s.tokens[0] / 512 for s in response.sequences
+        ]
         mean = sum(rewards) / len(rewards)
         data = [
             rl_datum(prompt, list(s.tokens), list(s.logprobs), r - mean)
@@ -61,8 +65,11 @@ def test_rl_loop_sample_then_importance_sampling(client_a, base_model):
     # a reference sampler on the base model (the cookbook's KL penalty) differs from the policy
     reference = client_a.create_sampling_client(base_model=base_model).result()
     policy = tc.save_weights_and_get_sampling_client().result()
-    sequence = types.ModelInput.from_ints(prompt + [42, 42, 7])
-    ref_lp, pol_lp = reference.compute_logprobs(sequence).result(), policy.compute_logprobs(sequence).result()
+    sequence = types.ModelInput.from_ints([*prompt, 42, 42, 7])
+    ref_lp, pol_lp = (
+        reference.compute_logprobs(sequence).result(),
+        policy.compute_logprobs(sequence).result(),
+    )
     assert ref_lp[0] is None and len(ref_lp) == 7
     assert not np.allclose(ref_lp[1:], pol_lp[1:], atol=1e-6)
 
@@ -71,11 +78,20 @@ def test_rl_loop_sample_then_importance_sampling(client_a, base_model):
 def test_rl_losses_are_accepted(client_a, base_model, loss_fn):
     tc = client_a.create_lora_training_client(base_model=base_model, rank=4, seed=2).result()
     prompt, sampled = [3, 4, 5], [60, 61, 62, 63]
-    data = [rl_datum(prompt, sampled, [-1.5, -2.0, -1.0, -3.0], 1.0), rl_datum(prompt, sampled[::-1], [-2.0] * 4, -1.0)]
-    config = {"clip_low_threshold": 0.7, "clip_high_threshold": 1.3} if loss_fn != "dro" else {"beta": 0.1}
+    data = [
+        rl_datum(prompt, sampled, [-1.5, -2.0, -1.0, -3.0], 1.0),
+        rl_datum(prompt, sampled[::-1], [-2.0] * 4, -1.0),
+    ]
+    config = (
+        {"clip_low_threshold": 0.7, "clip_high_threshold": 1.3}
+        if loss_fn != "dro"
+        else {"beta": 0.1}
+    )
     result = tc.forward_backward(data, loss_fn, loss_fn_config=config).result()
     assert np.isfinite(result.metrics["loss:sum"])
-    assert tc.optim_step(types.AdamParams(learning_rate=1e-3)).result().metrics["grad_norm:mean"] > 0
+    assert (
+        tc.optim_step(types.AdamParams(learning_rate=1e-3)).result().metrics["grad_norm:mean"] > 0
+    )
 
 
 def test_forward_backward_custom(client_a, base_model):
@@ -89,7 +105,9 @@ def test_forward_backward_custom(client_a, base_model):
     result = tc.forward_backward_custom(data, neg_mean_logprob).result()
     assert "surrogate_loss:sum" in result.metrics and "custom_term:sum" in result.metrics
     assert result.metrics["loss:sum"] == pytest.approx(result.metrics["custom_term:sum"])
-    assert tc.optim_step(types.AdamParams(learning_rate=1e-3)).result().metrics["grad_norm:mean"] > 0
+    assert (
+        tc.optim_step(types.AdamParams(learning_rate=1e-3)).result().metrics["grad_norm:mean"] > 0
+    )
 
 
 def test_2d_sparse_targets_cross_entropy(client_a, base_model):

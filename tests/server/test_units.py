@@ -29,8 +29,13 @@ def _request(**tensors: pb.Tensor) -> pb.ForwardBackwardRequest:
 
 
 def test_decode_dense_sparse_and_bfloat16():
-    dense = pb.Tensor(dense=np.array([4, 5, 6], dtype="<i8").tobytes(), dtype=pb.DTYPE_INT64, shape=[3])
-    bf16 = pb.Tensor(dense=(np.array([0.5, 1.0, -2.0], dtype="<f4").view("<u4") >> 16).astype("<u2").tobytes(), dtype=pb.DTYPE_BFLOAT16)
+    dense = pb.Tensor(
+        dense=np.array([4, 5, 6], dtype="<i8").tobytes(), dtype=pb.DTYPE_INT64, shape=[3]
+    )
+    bf16 = pb.Tensor(
+        dense=(np.array([0.5, 1.0, -2.0], dtype="<f4").view("<u4") >> 16).astype("<u2").tobytes(),
+        dtype=pb.DTYPE_BFLOAT16,
+    )
     sparse = pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[3, 2])
     sparse.sparse_csr.values = np.array([1.5, 2.5], dtype="<f4").tobytes()
     sparse.sparse_csr.crow_indices = np.array([0, 1, 1, 2], dtype="<i8").tobytes()
@@ -38,7 +43,10 @@ def test_decode_dense_sparse_and_bfloat16():
     call = proto.decode_call(_request(target_tokens=dense, weights=bf16, extra=sparse))
     inputs = call.data[0].loss_inputs
     assert call.data[0].tokens.tolist() == [1, 2, 3]
-    assert inputs["target_tokens"].tolist() == [4, 5, 6] and inputs["target_tokens"].dtype == torch.int64
+    assert (
+        inputs["target_tokens"].tolist() == [4, 5, 6]
+        and inputs["target_tokens"].dtype == torch.int64
+    )
     assert inputs["weights"].tolist() == [0.5, 1.0, -2.0]
     assert inputs["extra"].tolist() == [[0.0, 1.5], [0.0, 0.0], [2.5, 0.0]]
 
@@ -46,10 +54,23 @@ def test_decode_dense_sparse_and_bfloat16():
 @pytest.mark.parametrize(
     ("tensor", "message"),
     [
-        (pb.Tensor(dense=b"\x00" * 7, dtype=pb.DTYPE_FLOAT32), "7 bytes of float32 data, not a multiple of 4"),
-        (pb.Tensor(dense=b"\x00" * 8, dtype=pb.DTYPE_FLOAT32, shape=[3]), "2 float32 values but its shape [3] needs 3"),
+        (
+            pb.Tensor(dense=b"\x00" * 7, dtype=pb.DTYPE_FLOAT32),
+            "7 bytes of float32 data, not a multiple of 4",
+        ),
+        (
+            pb.Tensor(dense=b"\x00" * 8, dtype=pb.DTYPE_FLOAT32, shape=[3]),
+            "2 float32 values but its shape [3] needs 3",
+        ),
         (pb.Tensor(dense=b"", dtype=pb.DTYPE_UNSPECIFIED), "dtype enum 0"),
-        (pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[2, 2], sparse_csr=pb.SparseCsr(crow_indices=np.array([0, 1], dtype="<i8").tobytes())), "crow_indices has 2 entries"),
+        (
+            pb.Tensor(
+                dtype=pb.DTYPE_FLOAT32,
+                shape=[2, 2],
+                sparse_csr=pb.SparseCsr(crow_indices=np.array([0, 1], dtype="<i8").tobytes()),
+            ),
+            "crow_indices has 2 entries",
+        ),
     ],
 )
 def test_decode_errors_name_the_field(tensor, message):
@@ -70,7 +91,11 @@ def test_decode_envelope_errors():
 
 
 def test_outputs_decode_with_the_sdk():
-    logprobs = [torch.tensor([-1.0, -2.0]), torch.tensor([-3.0]), torch.tensor([[-1.0, -4.0], [-2.0, -5.0]])]
+    logprobs = [
+        torch.tensor([-1.0, -2.0]),
+        torch.tensor([-3.0]),
+        torch.tensor([[-1.0, -4.0], [-2.0, -5.0]]),
+    ]
     body = proto.forward_backward_output(logprobs, {"loss:sum": 3.0})
     out = response_conv.deserialize_forward_backward_output(body)
     assert out.metrics == {"loss:sum": 3.0}
@@ -78,12 +103,22 @@ def test_outputs_decode_with_the_sdk():
     assert out.loss_fn_outputs[2]["logprobs"].to_numpy().tolist() == [[-1.0, -4.0], [-2.0, -5.0]]
 
     result = SampleResult(
-        sequences=[SampledSequence([5, 6], [-0.5, -0.25], "length", None, topk_logprobs=[[(5, -0.5)], [(6, -0.25), (7, -2.0)]])],
+        sequences=[
+            SampledSequence(
+                [5, 6],
+                [-0.5, -0.25],
+                "length",
+                None,
+                topk_logprobs=[[(5, -0.5)], [(6, -0.25), (7, -2.0)]],
+            )
+        ],
         adapter=None,
         prompt_logprobs=[None, -1.0, -2.0],
         topk_prompt_logprobs=[None, [(1, -1.0)], [(2, -2.0)]],
     )
-    body = proto.sample_response(result, prompt_logprobs=True, topk_prompt=2, topk_sample=2, last_n=1)
+    body = proto.sample_response(
+        result, prompt_logprobs=True, topk_prompt=2, topk_sample=2, last_n=1
+    )
     response = response_conv.deserialize_sample_response(body)
     seq = response.sequences[0]
     assert seq.tokens == [5, 6] and seq.stop_reason == "length" and seq.logprobs == [-0.5, -0.25]
@@ -95,11 +130,15 @@ def test_keys_and_tenants(tmp_path):
         parse_keys(["sk-123456789"], "test")
     key_file = tmp_path / "keys"
     key_file.write_text("# comment\ntml-from-file-123456\n")
-    keys = load_keys(key_file, env={"LORAFLEET_API_KEYS": "tml-from-env-1234567, tml-second-1234567"})
+    keys = load_keys(
+        key_file, env={"LORAFLEET_API_KEYS": "tml-from-env-1234567, tml-second-1234567"}
+    )
     assert keys == ["tml-from-env-1234567", "tml-second-1234567", "tml-from-file-123456"]
     ring = KeyRing(keys)
     tenants = {ring.authenticate(k).id for k in keys}
-    assert len(tenants) == 3 and ring.authenticate(keys[0]) == KeyRing(keys[:1]).authenticate(keys[0])
+    assert len(tenants) == 3 and ring.authenticate(keys[0]) == KeyRing(keys[:1]).authenticate(
+        keys[0]
+    )
     with pytest.raises(Unauthorized):
         ring.authenticate("tml-from-env-1234568")
     with pytest.raises(ValueError, match="no API keys"):
@@ -108,9 +147,19 @@ def test_keys_and_tenants(tmp_path):
 
 def test_tinker_paths():
     path = parse_tinker_path("tinker://abc-1:train:0/weights/step_10")
-    assert (path.model_id, path.kind, path.checkpoint_id) == ("abc-1:train:0", "training", "weights/step_10")
+    assert (path.model_id, path.kind, path.checkpoint_id) == (
+        "abc-1:train:0",
+        "training",
+        "weights/step_10",
+    )
     assert run_dir_name(path.model_id) == "abc-1.train.0"
-    for bad in ("s3://x/weights/a", "tinker://x/weights", "tinker://x/other/a", "tinker://x/weights/..", "tinker://x/weights/a b"):
+    for bad in (
+        "s3://x/weights/a",
+        "tinker://x/weights",
+        "tinker://x/other/a",
+        "tinker://x/weights/..",
+        "tinker://x/weights/a b",
+    ):
         with pytest.raises(UserError):
             parse_tinker_path(bad)
 
@@ -155,8 +204,14 @@ def test_scheduler_orders_by_seq_and_batches_across_models():
     scheduler.start()
     try:
         # chunks arrive out of order (the SDK sends the first one last)
-        for model, seq, kind in [("a", 3, "optim_step"), ("a", 2, "forward_backward"), ("b", 2, "optim_step"),
-                                 ("a", 1, "forward_backward"), ("b", 1, "forward"), ("a", 5, "forward_backward")]:
+        for model, seq, kind in [
+            ("a", 3, "optim_step"),
+            ("a", 2, "forward_backward"),
+            ("b", 2, "optim_step"),
+            ("a", 1, "forward_backward"),
+            ("b", 1, "forward"),
+            ("a", 5, "forward_backward"),
+        ]:
             scheduler.submit(Op(f"{model}{seq}", kind, "t", None, model_id=model, seq_id=seq))
         scheduler.resume()
         for _ in range(100):
@@ -164,12 +219,18 @@ def test_scheduler_orders_by_seq_and_batches_across_models():
                 break
             futures.event.wait(0.1)
             futures.event.clear()
-        assert recorder.calls == [("train", [("a", 1), ("a", 2), ("b", 1)]), ("optim", [("a", 3), ("b", 2)])]
+        assert recorder.calls == [
+            ("train", [("a", 1), ("a", 2), ("b", 1)]),
+            ("optim", [("a", 3), ("b", 2)]),
+        ]
         assert "a5" not in futures.done  # seq 4 never came
         scheduler.submit(Op("a1-again", "optim_step", "t", None, model_id="a", seq_id=1))
         assert futures.done["a1-again"].failed
         assert b"already executed" in futures.done["a1-again"].body
-        assert scheduler.stats.mixed_batches["forward_backward"] == 1 and scheduler.stats.mixed_batches["optim_step"] == 1
+        assert (
+            scheduler.stats.mixed_batches["forward_backward"] == 1
+            and scheduler.stats.mixed_batches["optim_step"] == 1
+        )
     finally:
         scheduler.stop()
 
@@ -182,6 +243,9 @@ def test_scheduler_fails_requests_stuck_behind_a_missing_seq():
     try:
         scheduler.submit(Op("a2", "optim_step", "t", None, model_id="a", seq_id=2))
         assert futures.event.wait(5.0)
-        assert futures.done["a2"].failed and b"for seq_id 1, which never arrived" in futures.done["a2"].body
+        assert (
+            futures.done["a2"].failed
+            and b"for seq_id 1, which never arrived" in futures.done["a2"].body
+        )
     finally:
         scheduler.stop()

@@ -46,7 +46,7 @@ def url(fake):
 @pytest.fixture
 def base_dir(tmp_path):
     path = tmp_path / "base"
-    tiny_stack().adapted.model  # noqa: B018 (same seed as the fake's model)
+    tiny_stack().adapted.model  # noqa: B018 - same seed as the fake's model
     from tests._models import tiny_qwen3
 
     tiny_qwen3().save_pretrained(path)
@@ -91,7 +91,7 @@ def test_files_sync_sends_the_documented_shapes_and_hot_swaps(fake, url, tmp_pat
     assert order.index("/unload_lora_adapter") > max(
         i for i, p in enumerate(order) if p == "/load_lora_adapter"
     )
-    canary = [b for b in bodies(fake, "/generate") if b.get("lora_path") == "a@1"][0]
+    canary = next(b for b in bodies(fake, "/generate") if b.get("lora_path") == "a@1")
     assert (
         canary["input_ids"] == syncer.tokens
         and canary["return_logprob"] is True

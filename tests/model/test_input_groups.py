@@ -69,8 +69,8 @@ def test_probe_finds_attention_and_mlp_siblings():
 
 def test_shared_layout_only_reorders_the_row():
     """Same adapters, same layer-free weights, whatever the layout."""
-    shared, shared_bank = _build(tiny_qwen3, share_inputs=True)
-    plain, plain_bank = _build(tiny_qwen3, share_inputs=False)
+    _shared, shared_bank = _build(tiny_qwen3, share_inputs=True)
+    _plain, plain_bank = _build(tiny_qwen3, share_inputs=False)
     assert shared_bank.layout() != plain_bank.layout()
     for slot in range(1, len(SPECS) + 1):
         a, b = shared_bank.slot_weights(slot), plain_bank.slot_weights(slot)
@@ -133,8 +133,8 @@ def test_uniform_count_and_sorted_suffix_are_detected():
 def test_sibling_fed_another_tensor_computes_its_own_projection():
     """The share is keyed by tensor identity: a layer given a different input (here a copy
     with other values) must not reuse its sibling's projection."""
-    shared, bank = _build(tiny_qwen3, share_inputs=True)
-    plain, plain_bank = _build(tiny_qwen3, share_inputs=False)
+    shared, _bank = _build(tiny_qwen3, share_inputs=True)
+    plain, _plain_bank = _build(tiny_qwen3, share_inputs=False)
     attn_s = shared.model.model.layers[0].self_attn
     attn_p = plain.model.model.layers[0].self_attn
     x = torch.randn(2, 3, attn_s.q_proj.in_features)

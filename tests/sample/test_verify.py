@@ -21,13 +21,18 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def make(dtype: torch.dtype = torch.float32) -> Colocated:
     model = tiny_qwen3().to(dtype)
-    return colocate(model, resolve_tinker_targets(model), base_model_id="tiny", r_max=8, sample_slots=4)
+    return colocate(
+        model, resolve_tinker_targets(model), base_model_id="tiny", r_max=8, sample_slots=4
+    )
 
 
 def trained_slot(stack: Colocated, seed: int, scale: float = 0.3) -> int:
     slot = stack.trainer.create_adapter(AdapterSpec(rank=4, alpha=8.0, seed=seed))
     gen = torch.Generator().manual_seed(seed)
-    weights = {p: (A, scale * torch.randn(B.shape, generator=gen)) for p, (A, B) in stack.trainer.bank.slot_weights(slot).items()}
+    weights = {
+        p: (A, scale * torch.randn(B.shape, generator=gen))
+        for p, (A, B) in stack.trainer.bank.slot_weights(slot).items()
+    }
     stack.trainer.bank.load_slot_weights(slot, weights)
     return slot
 
@@ -35,7 +40,7 @@ def trained_slot(stack: Colocated, seed: int, scale: float = 0.3) -> int:
 def test_faithful_sync_passes_and_differs_from_the_base():
     stack = make()
     slot = trained_slot(stack, 1)
-    key, result = publish_verified(stack.sampler, stack.trainer, slot, "a")
+    _key, result = publish_verified(stack.sampler, stack.trainer, slot, "a")
     assert result.differs_check == "passed"
     assert result.max_abs_diff <= 1e-4 == result.tolerance
     assert result.base_diff > 0.01
@@ -70,7 +75,9 @@ def test_publish_verified_withdraws_a_bad_copy(monkeypatch):
     slot, other = trained_slot(stack, 1), trained_slot(stack, 2)
     bank = stack.versions.bank
     real_copy = bank.copy_slot_from
-    monkeypatch.setattr(bank, "copy_slot_from", lambda src, s, dst: real_copy(src, other, dst))  # wrong slot
+    monkeypatch.setattr(
+        bank, "copy_slot_from", lambda src, s, dst: real_copy(src, other, dst)
+    )  # wrong slot
     with pytest.raises(SyncVerificationError):
         publish_verified(stack.sampler, stack.trainer, slot, "a")
     with pytest.raises(UnknownVersionError):

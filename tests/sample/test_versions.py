@@ -31,7 +31,13 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def make(sample_slots: int = 4, capacity: int | None = None) -> Colocated:
     model = tiny_qwen3()
-    stack = colocate(model, resolve_tinker_targets(model), base_model_id="tiny", r_max=8, sample_slots=sample_slots)
+    stack = colocate(
+        model,
+        resolve_tinker_targets(model),
+        base_model_id="tiny",
+        r_max=8,
+        sample_slots=sample_slots,
+    )
     if capacity is not None:
         stack.versions.capacity = capacity
     return stack
@@ -39,7 +45,10 @@ def make(sample_slots: int = 4, capacity: int | None = None) -> Colocated:
 
 def nudge(stack: Colocated, slot: int, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
-    weights = {p: (A, B + 0.3 * torch.randn(B.shape, generator=gen)) for p, (A, B) in stack.trainer.bank.slot_weights(slot).items()}
+    weights = {
+        p: (A, B + 0.3 * torch.randn(B.shape, generator=gen))
+        for p, (A, B) in stack.trainer.bank.slot_weights(slot).items()
+    }
     stack.trainer.bank.load_slot_weights(slot, weights)
 
 
@@ -57,8 +66,13 @@ def test_published_version_is_immutable_while_training_goes_on():
     assert v0 == ("a", 0)
     before = run(stack, v0, SEEDED)
     # Training keeps going in the trainer slot...
-    seq = torch.tensor(PROMPT + [9, 9, 9])
-    item = TrainItem(slot, seq[:-1], "cross_entropy", {"target_tokens": seq[1:], "weights": torch.ones(len(seq) - 1)})
+    seq = torch.tensor([*PROMPT, 9, 9, 9])
+    item = TrainItem(
+        slot,
+        seq[:-1],
+        "cross_entropy",
+        {"target_tokens": seq[1:], "weights": torch.ones(len(seq) - 1)},
+    )
     for _ in range(3):
         stack.trainer.forward_backward([item])
         stack.trainer.optim_step({slot: AdamHParams(learning_rate=5e-2)})
@@ -90,7 +104,9 @@ def test_pins_block_eviction_and_a_full_sampler_makes_requests_wait(tmp_path):
     stack.versions.release(keys[1])
     alone = [run(stack, k) for k in keys]
     # Both in one call with one slot: the second waits until the first one's sequences finish.
-    together = stack.sampler.generate([SampleRequest(PROMPT, PARAMS, adapter=k, num_samples=2) for k in keys])
+    together = stack.sampler.generate(
+        [SampleRequest(PROMPT, PARAMS, adapter=k, num_samples=2) for k in keys]
+    )
     assert [[s.tokens for s in r.sequences] for r in together] == [a[0] for a in alone]
     traces = stack.sampler.last_traces
     first_done = max(t.finished_step for t in traces if t.request == 0)
@@ -104,7 +120,9 @@ def info_pins(stack: Colocated, key) -> int:
 
 def test_evicted_versions_reload_from_files_with_the_same_outputs(tmp_path):
     stack = make(sample_slots=2)
-    slots = [stack.trainer.create_adapter(AdapterSpec(rank=2 + i, alpha=6.0, seed=i)) for i in range(4)]
+    slots = [
+        stack.trainer.create_adapter(AdapterSpec(rank=2 + i, alpha=6.0, seed=i)) for i in range(4)
+    ]
     for i, slot in enumerate(slots):
         nudge(stack, slot, 20 + i)
     state = stack.trainer.save_state(slots[0], tmp_path / "state")
@@ -112,14 +130,18 @@ def test_evicted_versions_reload_from_files_with_the_same_outputs(tmp_path):
     k_state = stack.versions.publish("s", stack.trainer.bank, slots[0], path=state)
     k_peft = stack.versions.publish("p", stack.trainer.bank, slots[1], path=peft)
     before = {k: run(stack, k, SEEDED) for k in (k_state, k_peft)}
-    k_mem = stack.versions.publish("m", stack.trainer.bank, slots[2])  # evicts the LRU one (k_state)
+    k_mem = stack.versions.publish(
+        "m", stack.trainer.bank, slots[2]
+    )  # evicts the LRU one (k_state)
     mem_out = run(stack, k_mem)
     stack.versions.publish("x", stack.trainer.bank, slots[3])  # evicts k_peft
     assert set(stack.versions.resident()) == {k_mem, ("x", 0)}
     for key, (tokens, logprobs) in before.items():
         again = run(stack, key, SEEDED)  # reloaded from its files on demand
         assert again[0] == tokens
-        torch.testing.assert_close(torch.tensor(again[1]), torch.tensor(logprobs), atol=1e-6, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(again[1]), torch.tensor(logprobs), atol=1e-6, rtol=0
+        )
     # k_mem was evicted by those reloads and has no files: a clear error, not a base-model run.
     assert k_mem not in stack.versions.resident()
     (gone,) = stack.sampler.generate([SampleRequest(PROMPT, PARAMS, adapter=k_mem)])

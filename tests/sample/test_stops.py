@@ -17,8 +17,13 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(scope="module")
 def preset():
     base = load_base("tiny-qwen3")
-    stack = colocate(base.model, resolve_tinker_targets(base.model), base_model_id="tiny-qwen3",
-                     tokenizer=base.tokenizer, r_max=8)
+    stack = colocate(
+        base.model,
+        resolve_tinker_targets(base.model),
+        base_model_id="tiny-qwen3",
+        tokenizer=base.tokenizer,
+        r_max=8,
+    )
     return stack, base.tokenizer
 
 
@@ -38,7 +43,9 @@ def test_checker_cuts_at_the_token_that_completes_a_multi_token_string(preset):
     stopped_at = next(k for k in range(len(tokens)) if checker.update(tokens[: k + 1]))
     assert stopped_at == first_completion(tokens, ["= 20", "* 5 ="], tokenizer)
     assert tokenizer.decode(tokens[: stopped_at + 1]).endswith("* 5 =")  # the earlier one wins
-    spanned = [k for k in range(stopped_at + 1) if "*" in tokenizer.decode(tokens[k : stopped_at + 1])]
+    spanned = [
+        k for k in range(stopped_at + 1) if "*" in tokenizer.decode(tokens[k : stopped_at + 1])
+    ]
     assert stopped_at - spanned[-1] >= 2, "the stop string must span several tokens"
 
 
@@ -74,13 +81,19 @@ def test_stop_strings_in_generation_cut_like_the_reference(preset):
 def test_a_single_string_stop_and_one_never_seen(preset):
     stack, tokenizer = preset
     prompt = tokenizer.encode("3 + 4 =", add_special_tokens=False)
-    (free,) = stack.sampler.generate([SampleRequest(prompt, SamplingParams(max_tokens=12, temperature=0.0, stop=[]))])
+    (free,) = stack.sampler.generate(
+        [SampleRequest(prompt, SamplingParams(max_tokens=12, temperature=0.0, stop=[]))]
+    )
     tokens = free.sequences[0].tokens
     piece = tokenizer.decode(tokens, skip_special_tokens=False)[2:5]
     cut = first_completion(tokens, [piece], tokenizer)
-    as_str, never = stack.sampler.generate([
-        SampleRequest(prompt, SamplingParams(max_tokens=12, temperature=0.0, stop=piece)),
-        SampleRequest(prompt, SamplingParams(max_tokens=12, temperature=0.0, stop=["\x00never\x00"])),
-    ])
+    as_str, never = stack.sampler.generate(
+        [
+            SampleRequest(prompt, SamplingParams(max_tokens=12, temperature=0.0, stop=piece)),
+            SampleRequest(
+                prompt, SamplingParams(max_tokens=12, temperature=0.0, stop=["\x00never\x00"])
+            ),
+        ]
+    )
     assert as_str.sequences[0].tokens == tokens[: cut + 1]
     assert never.sequences[0].tokens == tokens and never.sequences[0].stop_reason == "length"

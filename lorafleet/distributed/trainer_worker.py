@@ -1,7 +1,7 @@
 """One trainer rank: builds its shard of the model and runs the commands the server sends.
 
 Two ways to drive the ranks, one rank code:
-- `torchrun` (`python -m torch.distributed.run ... -m lorafleet.dist.trainer_worker`): rank 0
+- `torchrun` (`python -m torch.distributed.run ... -m lorafleet.distributed.trainer_worker`): rank 0
   connects back to the server (an authenticated local socket, address and key in the
   environment), receives each command, shares it with the other ranks over a gloo group, runs
   its part, collects every rank's status and answers. `lorafleet serve --trainer-ranks N`
@@ -25,8 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lorafleet.dist.fsdp import ShardedTrainer, ShardingConfig, shard_base
-from lorafleet.dist.protocol import LOCAL_COMMANDS, RankSettings, Reply, dumps, recv, send
+from lorafleet.distributed.fsdp import ShardedTrainer, ShardingConfig, shard_base
+from lorafleet.distributed.protocol import LOCAL_COMMANDS, RankSettings, Reply, dumps, recv, send
 from lorafleet.model.adapted import AdaptedModel
 from lorafleet.model.banks import layer_experts
 from lorafleet.model.loader import load_base, parse_dtype
@@ -103,7 +103,7 @@ class RankWorker:
             return Reply.failure(ValueError(f"unknown trainer command {name!r}"), self.rank)
         try:
             return Reply(ok=True, value=method(**kwargs), rank=self.rank)
-        except Exception as exc:  # noqa: BLE001 - every failure goes back to the server as a reply
+        except Exception as exc:  # every failure goes back to the server as a reply
             if not isinstance(exc, ValueError | LookupError):
                 log.exception("rank %d: command %s failed", self.rank, name)
             return Reply.failure(exc, self.rank)
@@ -165,7 +165,7 @@ class RankWorker:
         failed = [s for s in statuses if s is not None]
         reply.others = failed
         if failed and reply.ok:
-            from lorafleet.dist.fsdp import DistError
+            from lorafleet.distributed.fsdp import DistError
 
             return Reply.failure(DistError(f"ranks disagree: {'; '.join(failed)}"), 0)
         return reply
@@ -249,7 +249,7 @@ def _build(settings: RankSettings, cpu_group: Any, conn: Any) -> RankWorker | No
     worker = None
     try:
         worker = RankWorker(settings, cpu_group=cpu_group)
-    except Exception as exc:  # noqa: BLE001 - reported to the server, then this rank exits
+    except Exception as exc:  # reported to the server, then this rank exits
         log.exception("rank %d could not build its trainer", dist.get_rank())
         error = exc
     statuses: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None

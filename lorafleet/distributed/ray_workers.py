@@ -37,8 +37,8 @@ import torch
 
 from lorafleet.adapters.checkpoint import read_training_state
 from lorafleet.adapters.peft_io import read_peft
-from lorafleet.dist.fsdp import DistError
-from lorafleet.dist.protocol import LOCAL_COMMANDS, RankSettings, Reply, command, dumps
+from lorafleet.distributed.fsdp import DistError
+from lorafleet.distributed.protocol import LOCAL_COMMANDS, RankSettings, Reply, command, dumps
 from lorafleet.fsio import PathLike
 from lorafleet.model.banks import AdapterSpec
 from lorafleet.sample.types import SampleRequest, SampleResult, SamplingParams, VersionKey
@@ -127,7 +127,7 @@ class TrainerRankActor:
             return ip, int(sock.getsockname()[1])
 
     def setup(self, settings: RankSettings, master_addr: str, master_port: int) -> Reply:
-        from lorafleet.dist.trainer_worker import RankWorker, init_distributed
+        from lorafleet.distributed.trainer_worker import RankWorker, init_distributed
 
         try:
             os.environ["MASTER_ADDR"] = master_addr
@@ -135,7 +135,7 @@ class TrainerRankActor:
             cpu_group = init_distributed(settings, self.rank, self.world)
             self.worker = RankWorker(settings, cpu_group=cpu_group)
             return Reply(ok=True, value=self.worker.info, rank=self.rank)
-        except Exception as exc:  # noqa: BLE001 - reported to the server, which stops the group
+        except Exception as exc:  # reported to the server, which stops the group
             log.exception("trainer rank %d failed to start", self.rank)
             return Reply.failure(exc, self.rank)
 
@@ -212,12 +212,12 @@ class RayRanks:
     def _kill(self) -> None:
         ray = _ray()
         for actor in self.actors:
-            with contextlib.suppress(Exception):  # noqa: BLE001 - best effort: the actor may be gone already
+            with contextlib.suppress(Exception):  # best effort: the actor may be gone already
                 ray.kill(actor, no_restart=True)
 
     def close(self) -> None:
         ray = _ray()
-        with contextlib.suppress(Exception):  # noqa: BLE001 - closing a group whose ranks may be dead
+        with contextlib.suppress(Exception):  # closing a group whose ranks may be dead
             ray.get([actor.shutdown.remote() for actor in self.actors], timeout=30)
         self._kill()
 
@@ -607,7 +607,7 @@ class RaySamplerPool:
 
     def _restart(self, replica: _Replica) -> None:
         ray = _ray()
-        with contextlib.suppress(Exception):  # noqa: BLE001 - the old actor is usually gone already
+        with contextlib.suppress(Exception):  # the old actor is usually gone already
             ray.kill(replica.handle, no_restart=True)
         deadline = time.monotonic() + self.restart_timeout_s
         while time.monotonic() < deadline and not self._closed:
@@ -618,7 +618,7 @@ class RaySamplerPool:
                 return
             except (ray.exceptions.RayError, SyncVerificationError, OSError, ValueError) as exc:
                 log.warning("sampler replica %d: restart failed (%s); retrying", replica.index, exc)
-                with contextlib.suppress(Exception):  # noqa: BLE001 - best effort cleanup
+                with contextlib.suppress(Exception):  # best effort cleanup
                     ray.kill(handle, no_restart=True)
                 time.sleep(1.0)
         with self._lock:
@@ -783,5 +783,5 @@ class RaySamplerPool:
             self._ready.notify_all()
         self._stop.set()
         for replica in self._replicas:
-            with contextlib.suppress(Exception):  # noqa: BLE001 - best effort: the replica may be gone
+            with contextlib.suppress(Exception):  # best effort: the replica may be gone
                 ray.kill(replica.handle, no_restart=True)

@@ -24,9 +24,14 @@ EXPORT_SPECS = {
     "plain": AdapterSpec(rank=4, alpha=8.0, seed=1),
     "rslora": AdapterSpec(rank=8, alpha=16.0, use_rslora=True, seed=2),
     "subset": AdapterSpec(
-        rank=3, alpha=5.5, seed=3, targets=("model.layers.1.self_attn.v_proj", "model.layers.0.mlp.down_proj")
+        rank=3,
+        alpha=5.5,
+        seed=3,
+        targets=("model.layers.1.self_attn.v_proj", "model.layers.0.mlp.down_proj"),
     ),
-    "lm_head": AdapterSpec(rank=2, alpha=2.0, seed=4, targets=("lm_head", "model.layers.0.self_attn.q_proj")),
+    "lm_head": AdapterSpec(
+        rank=2, alpha=2.0, seed=4, targets=("lm_head", "model.layers.0.self_attn.q_proj")
+    ),
 }
 
 
@@ -50,7 +55,10 @@ def _ids(n=3, seed=1):
 
 
 def _ours(adapted, bank, slot, ids):
-    with torch.no_grad(), adapted.routing("train", bank.slot_ids_for_rows([slot] * ids.shape[0], ids.shape[1])):
+    with (
+        torch.no_grad(),
+        adapted.routing("train", bank.slot_ids_for_rows([slot] * ids.shape[0], ids.shape[1])),
+    ):
         return adapted.model(ids).logits
 
 
@@ -102,20 +110,31 @@ def test_export_loads_in_peft_with_our_logits(tmp_path, name):
 
 
 def test_export_config_matches_what_peft_writes(tmp_path):
-    adapted, bank = _build()
-    spec = AdapterSpec(rank=4, alpha=8.0, targets=("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.up_proj"))
+    _adapted, bank = _build()
+    spec = AdapterSpec(
+        rank=4, alpha=8.0, targets=("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.up_proj")
+    )
     slot = bank.allocate(spec)
     out = export_peft(bank, slot, tmp_path / "ours", base_model_name_or_path=BASE_ID)
 
     reference = get_peft_model(
         tiny_qwen3(),
-        LoraConfig(r=4, lora_alpha=8, target_modules=list(spec.targets), lora_dropout=0.0, task_type="CAUSAL_LM"),
+        LoraConfig(
+            r=4,
+            lora_alpha=8,
+            target_modules=list(spec.targets),
+            lora_dropout=0.0,
+            task_type="CAUSAL_LM",
+        ),
     )
     reference.save_pretrained(tmp_path / "peft")
     ours = json.loads((out / "adapter_config.json").read_text())
     theirs = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     theirs["base_model_name_or_path"] = BASE_ID
-    ours["target_modules"], theirs["target_modules"] = sorted(ours["target_modules"]), sorted(theirs["target_modules"])
+    ours["target_modules"], theirs["target_modules"] = (
+        sorted(ours["target_modules"]),
+        sorted(theirs["target_modules"]),
+    )
     assert ours == theirs
     assert set(load_file(out / "adapter_model.safetensors")) == set(
         load_file(tmp_path / "peft" / "adapter_model.safetensors")
@@ -127,19 +146,24 @@ def test_export_config_matches_what_peft_writes(tmp_path):
     assert stat.S_IMODE(out.stat().st_mode) == 0o700
     for file in out.iterdir():
         assert stat.S_IMODE(file.stat().st_mode) == 0o600, file
-    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
 def test_export_bf16_and_overwrite(tmp_path):
-    adapted, bank = _build()
+    _adapted, bank = _build()
     slot = bank.allocate(AdapterSpec(rank=4, alpha=4.0))
     _randomize(bank, slot, 3)
     dest = tmp_path / "adapter"
     export_peft(bank, slot, dest, base_model_name_or_path=BASE_ID)
     with pytest.raises(FileExistsError, match="already exists"):
         export_peft(bank, slot, dest, base_model_name_or_path=BASE_ID, dtype=torch.bfloat16)
-    export_peft(bank, slot, dest, base_model_name_or_path=BASE_ID, dtype=torch.bfloat16, overwrite=True)
+    export_peft(
+        bank, slot, dest, base_model_name_or_path=BASE_ID, dtype=torch.bfloat16, overwrite=True
+    )
     tensors = load_file(dest / "adapter_model.safetensors")
     assert all(t.dtype == torch.bfloat16 for t in tensors.values())
     _, weights = read_peft(dest)
@@ -173,7 +197,12 @@ def _with_default_keys(src, dst):
     dst.mkdir()
     shutil.copy(src / "adapter_config.json", dst / "adapter_config.json")
     tensors = load_file(src / "adapter_model.safetensors")
-    renamed = {k.replace(".lora_A.weight", ".lora_A.default.weight").replace(".lora_B.weight", ".lora_B.default.weight"): v for k, v in tensors.items()}
+    renamed = {
+        k.replace(".lora_A.weight", ".lora_A.default.weight").replace(
+            ".lora_B.weight", ".lora_B.default.weight"
+        ): v
+        for k, v in tensors.items()
+    }
     save_file(renamed, dst / "adapter_model.safetensors")
     return dst
 
@@ -215,7 +244,9 @@ def test_import_peft_adapter_gives_peft_logits(tmp_path, key_form, use_rslora):
 def test_import_checks_saved_lm_head_base_weight(tmp_path):
     """PEFT saves lm_head's base weight with an lm_head adapter; fine only if it is ours."""
     peft_model, src = _peft_saved(tmp_path, ["lm_head", "q_proj"])
-    assert "base_model.model.lm_head.base_layer.weight" in load_file(src / "adapter_model.safetensors")
+    assert "base_model.model.lm_head.base_layer.weight" in load_file(
+        src / "adapter_model.safetensors"
+    )
     adapted, bank = _build()
     slot = import_peft(bank, src)
     ids = _ids()
@@ -258,8 +289,12 @@ def _nan(ts):
 
 
 def _rename_module(ts):
-    ts["base_model.model.model.layers.7.self_attn.q_proj.lora_A.weight"] = ts.pop(f"{Q0}.lora_A.weight")
-    ts["base_model.model.model.layers.7.self_attn.q_proj.lora_B.weight"] = ts.pop(f"{Q0}.lora_B.weight")
+    ts["base_model.model.model.layers.7.self_attn.q_proj.lora_A.weight"] = ts.pop(
+        f"{Q0}.lora_A.weight"
+    )
+    ts["base_model.model.model.layers.7.self_attn.q_proj.lora_B.weight"] = ts.pop(
+        f"{Q0}.lora_B.weight"
+    )
 
 
 def _wrong_rank(ts):
@@ -295,7 +330,11 @@ BAD = {
     "bad_r": (_set("r", 0), None, "r must be a positive integer"),
     "bad_alpha": (_set("lora_alpha", float("nan")), None, "lora_alpha"),
     "nan": (None, _nan, "q_proj lora_B contains NaN"),
-    "unknown_module": (None, _rename_module, r"\['model.layers.7.self_attn.q_proj'\] are not layers"),
+    "unknown_module": (
+        None,
+        _rename_module,
+        r"\['model.layers.7.self_attn.q_proj'\] are not layers",
+    ),
     "rank_shape": (None, _wrong_rank, r"lora_A has shape \(5, 64\), expected \(r=4"),
     "in_features": (None, _wrong_in, "in_features=64"),
     "missing_b": (None, _drop_b, "has no lora_B"),
@@ -307,8 +346,10 @@ BAD = {
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_peft_dirs_are_rejected_and_allocate_nothing(tmp_path, case):
     config_edit, tensor_edit, message = BAD[case]
-    adapted, bank = _build()
-    slot = bank.allocate(AdapterSpec(rank=4, alpha=8.0, targets=("model.layers.0.self_attn.q_proj", "lm_head")))
+    _adapted, bank = _build()
+    slot = bank.allocate(
+        AdapterSpec(rank=4, alpha=8.0, targets=("model.layers.0.self_attn.q_proj", "lm_head"))
+    )
     _randomize(bank, slot, 1)
     good = export_peft(bank, slot, tmp_path / "good", base_model_name_or_path=BASE_ID)
     bad = _rewrite(good, tmp_path / "bad", config_edit, tensor_edit)
@@ -319,7 +360,7 @@ def test_bad_peft_dirs_are_rejected_and_allocate_nothing(tmp_path, case):
 
 
 def test_bank_level_rejections_allocate_nothing(tmp_path):
-    adapted, bank = _build(r_max=8)
+    _adapted, bank = _build(r_max=8)
     slot = bank.allocate(AdapterSpec(rank=8, alpha=8.0))
     _randomize(bank, slot, 1)
     src = export_peft(bank, slot, tmp_path / "r8", base_model_name_or_path=BASE_ID)
@@ -331,7 +372,9 @@ def test_bank_level_rejections_allocate_nothing(tmp_path):
     _assert_unchanged(small, snapshot)
 
     model = tiny_qwen3()
-    attn_only = AdaptedModel(model, resolve_tinker_targets(model, train_mlp=False, train_unembed=False))
+    attn_only = AdaptedModel(
+        model, resolve_tinker_targets(model, train_mlp=False, train_unembed=False)
+    )
     attn_bank = attn_only.add_bank("train", num_slots=3, r_max=8)
     snapshot = _bank_snapshot(attn_bank)
     with pytest.raises(PeftFormatError, match=r"'lm_head'.*are not layers of bank"):
@@ -350,7 +393,7 @@ def test_bank_level_rejections_allocate_nothing(tmp_path):
 
 
 def test_export_refuses_non_finite_weights(tmp_path):
-    adapted, bank = _build()
+    _adapted, bank = _build()
     slot = bank.allocate(AdapterSpec(rank=2, alpha=2.0))
     bank.layer_banks["lm_head"].A.data[slot, 0, 0] = float("inf")
     with pytest.raises(ValueError, match="lm_head A contains NaN or inf"):

@@ -10,7 +10,9 @@ PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
 LOGITS = PROBS.log()
 
 
-def draw(n: int, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> torch.Tensor:
+def draw(
+    n: int, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0
+) -> torch.Tensor:
     logits = LOGITS.expand(n, -1).clone()
     gens = [sequence_generator(seed, i) for i in range(n)]
     return choose_tokens(logits, [temperature] * n, [top_k] * n, [top_p] * n, gens)
@@ -34,7 +36,9 @@ def test_top_k_and_top_p_restrict_the_support():
     assert set(draw(500, top_k=2).tolist()) == {0, 1}
     assert set(draw(500, top_p=0.7).tolist()) == {0, 1}  # 0.5 < 0.7 <= 0.8
     assert set(draw(200, top_p=0.5).tolist()) == {0}  # the best token alone reaches p
-    torch.testing.assert_close(freq(draw(4000, top_k=2)), torch.tensor([0.625, 0.375, 0, 0]), atol=0.03, rtol=0)
+    torch.testing.assert_close(
+        freq(draw(4000, top_k=2)), torch.tensor([0.625, 0.375, 0, 0]), atol=0.03, rtol=0
+    )
 
 
 def test_each_sequence_draws_from_its_own_stream_whatever_the_batch():
@@ -46,11 +50,19 @@ def test_each_sequence_draws_from_its_own_stream_whatever_the_batch():
     together = choose_tokens(logits, temps, ks, ps, [sequence_generator(7, i) for i in range(n)])
     order = torch.randperm(n, generator=torch.Generator().manual_seed(1)).tolist()
     shuffled = choose_tokens(
-        logits[order], [temps[i] for i in order], [ks[i] for i in order], [ps[i] for i in order],
+        logits[order],
+        [temps[i] for i in order],
+        [ks[i] for i in order],
+        [ps[i] for i in order],
         [sequence_generator(7, i) for i in order],
     )
     assert shuffled.tolist() == [together[i].item() for i in order]
-    alone = [choose_tokens(logits[i : i + 1], [temps[i]], [ks[i]], [ps[i]], [sequence_generator(7, i)]).item() for i in range(n)]
+    alone = [
+        choose_tokens(
+            logits[i : i + 1], [temps[i]], [ks[i]], [ps[i]], [sequence_generator(7, i)]
+        ).item()
+        for i in range(n)
+    ]
     assert alone == together.tolist()
     assert draw(64, seed=1).tolist() != draw(64, seed=2).tolist()
 
@@ -70,7 +82,9 @@ def test_two_level_inverse_cdf_equals_a_full_float64_cdf():
     ours = _inverse_cdf(probs, draws)
     cdf = probs.double().cumsum(-1)
     total = cdf[:, -1:]
-    target = torch.minimum(draws.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    target = torch.minimum(
+        draws.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total))
+    )
     reference = torch.searchsorted(cdf, target, right=True).squeeze(1)
     assert torch.equal(ours, reference)
     assert bool((probs.gather(1, ours.unsqueeze(1)) > 0).all())

@@ -17,7 +17,10 @@ VOCAB = 96
 ADAPTERS = [
     (AdapterSpec(rank=2, alpha=4.0, seed=1), AdamHParams(learning_rate=1e-2)),
     (AdapterSpec(rank=4, alpha=8.0, seed=2), AdamHParams(learning_rate=3e-3, weight_decay=0.1)),
-    (AdapterSpec(rank=8, alpha=8.0, use_rslora=True, seed=3), AdamHParams(learning_rate=2e-2, grad_clip_norm=0.5)),
+    (
+        AdapterSpec(rank=8, alpha=8.0, use_rslora=True, seed=3),
+        AdamHParams(learning_rate=2e-2, grad_clip_norm=0.5),
+    ),
     (AdapterSpec(rank=3, alpha=6.0, seed=4), AdamHParams(learning_rate=5e-3, beta2=0.999)),
 ]
 
@@ -33,7 +36,9 @@ def sft_item(slot: int, seed: int, length: int = 7) -> TrainItem:
     gen = torch.Generator().manual_seed(seed)
     seq = torch.randint(0, VOCAB, (length + 1,), generator=gen)
     weights = (torch.rand(length, generator=gen) > 0.3).float()
-    return TrainItem(slot, seq[:-1], "cross_entropy", {"target_tokens": seq[1:], "weights": weights})
+    return TrainItem(
+        slot, seq[:-1], "cross_entropy", {"target_tokens": seq[1:], "weights": weights}
+    )
 
 
 def rl_item(slot: int, seed: int, loss_fn: str, length: int = 6) -> TrainItem:
@@ -51,7 +56,11 @@ def items_for(adapter_index: int, slot: int, step: int) -> list[TrainItem]:
     base = 1000 * adapter_index + 10 * step
     kinds = ["cross_entropy", "importance_sampling", "ppo", "cispo"]
     items = [sft_item(slot, base + 1, length=5 + adapter_index), sft_item(slot, base + 2, length=9)]
-    items.append(rl_item(slot, base + 3, kinds[adapter_index]) if adapter_index else sft_item(slot, base + 3, 3))
+    items.append(
+        rl_item(slot, base + 3, kinds[adapter_index])
+        if adapter_index
+        else sft_item(slot, base + 3, 3)
+    )
     return items
 
 
@@ -62,7 +71,9 @@ def test_mixed_step_over_four_adapters_equals_training_each_alone():
         batch = [item for i, slot in enumerate(slots) for item in items_for(i, slot, step)]
         out = mixed.forward_backward(batch)
         assert out.slots == tuple(slots)
-        metrics = mixed.optim_step({slot: hp for slot, (_, hp) in zip(slots, ADAPTERS, strict=True)})
+        metrics = mixed.optim_step(
+            {slot: hp for slot, (_, hp) in zip(slots, ADAPTERS, strict=True)}
+        )
         assert set(metrics) == set(slots)
     for i, (spec, hp) in enumerate(ADAPTERS):
         solo = make_engine()
@@ -95,13 +106,24 @@ def test_logprobs_match_a_direct_computation_and_forward_matches_forward_backwar
     for item, a, b in zip(items, fwd.items, fb.items, strict=True):
         assert a.logprobs.shape == item.loss_inputs["target_tokens"].shape
         torch.testing.assert_close(a.logprobs, b.logprobs)
-        with torch.no_grad(), engine.adapted.routing("train", torch.full((1, len(item.tokens)), slot)):
+        with (
+            torch.no_grad(),
+            engine.adapted.routing("train", torch.full((1, len(item.tokens)), slot)),
+        ):
             logits = engine.adapted.model(item.tokens.unsqueeze(0)).logits[0]
-        expected = torch.log_softmax(logits, -1).gather(-1, item.loss_inputs["target_tokens"].unsqueeze(-1)).squeeze(-1)
+        expected = (
+            torch.log_softmax(logits, -1)
+            .gather(-1, item.loss_inputs["target_tokens"].unsqueeze(-1))
+            .squeeze(-1)
+        )
         torch.testing.assert_close(a.logprobs, expected, atol=1e-5, rtol=1e-5)
         manual_loss = -(expected * item.loss_inputs["weights"]).sum()
-        torch.testing.assert_close(torch.tensor(a.metrics["loss:sum"]), manual_loss, atol=1e-4, rtol=1e-5)
-    assert fb.metrics["loss:sum"] == pytest.approx(sum(o.metrics["loss:sum"] for o in fb.items), rel=1e-6)
+        torch.testing.assert_close(
+            torch.tensor(a.metrics["loss:sum"]), manual_loss, atol=1e-4, rtol=1e-5
+        )
+    assert fb.metrics["loss:sum"] == pytest.approx(
+        sum(o.metrics["loss:sum"] for o in fb.items), rel=1e-6
+    )
 
 
 def test_microbatching_and_accumulation_give_the_same_gradients():
@@ -136,20 +158,114 @@ def test_plan_microbatches_respects_budget():
 
 def _state(engine):
     opt = engine.optimizer
-    return [engine.bank.params.clone(), engine.bank.grads.clone(), opt.exp_avg.clone(), opt.exp_avg_sq.clone()]
+    return [
+        engine.bank.params.clone(),
+        engine.bank.grads.clone(),
+        opt.exp_avg.clone(),
+        opt.exp_avg_sq.clone(),
+    ]
 
 
 BAD_ITEMS = [
-    ("length", lambda s: TrainItem(s, [1, 2, 3], "cross_entropy", {"target_tokens": torch.tensor([1, 2]), "weights": torch.ones(2)}), "target_tokens"),
-    ("vocab", lambda s: TrainItem(s, [1, VOCAB, 3], "cross_entropy", {"target_tokens": torch.tensor([1, 2, 3]), "weights": torch.ones(3)}), f"token id {VOCAB}"),
-    ("negative-id", lambda s: TrainItem(s, [1, -4], "cross_entropy", {"target_tokens": torch.tensor([1, 2]), "weights": torch.ones(2)}), "token id -4"),
-    ("target-vocab", lambda s: TrainItem(s, [1, 2], "cross_entropy", {"target_tokens": torch.tensor([1, 500]), "weights": torch.ones(2)}), "500"),
-    ("nan-adv", lambda s: TrainItem(s, [1, 2], "importance_sampling", {"target_tokens": torch.tensor([1, 2]), "logprobs": torch.zeros(2), "advantages": torch.tensor([0.0, float("nan")])}), "advantages"),
-    ("inf-weights", lambda s: TrainItem(s, [1, 2], "cross_entropy", {"target_tokens": torch.tensor([1, 2]), "weights": torch.tensor([1.0, float("inf")])}), "weights"),
-    ("unknown-loss", lambda s: TrainItem(s, [1, 2], "kl_magic", {"target_tokens": torch.tensor([1, 2])}), "kl_magic"),
-    ("unknown-slot", lambda s: TrainItem(5, [1, 2], "cross_entropy", {"target_tokens": torch.tensor([1, 2]), "weights": torch.ones(2)}), "slot 5"),
-    ("empty", lambda s: TrainItem(s, [], "cross_entropy", {"target_tokens": torch.tensor([], dtype=torch.long), "weights": torch.ones(0)}), "empty"),
-    ("float-tokens", lambda s: TrainItem(s, torch.tensor([1.0, 2.0]), "cross_entropy", {"target_tokens": torch.tensor([1, 2]), "weights": torch.ones(2)}), "integers"),
+    (
+        "length",
+        lambda s: TrainItem(
+            s,
+            [1, 2, 3],
+            "cross_entropy",
+            {"target_tokens": torch.tensor([1, 2]), "weights": torch.ones(2)},
+        ),
+        "target_tokens",
+    ),
+    (
+        "vocab",
+        lambda s: TrainItem(
+            s,
+            [1, VOCAB, 3],
+            "cross_entropy",
+            {"target_tokens": torch.tensor([1, 2, 3]), "weights": torch.ones(3)},
+        ),
+        f"token id {VOCAB}",
+    ),
+    (
+        "negative-id",
+        lambda s: TrainItem(
+            s,
+            [1, -4],
+            "cross_entropy",
+            {"target_tokens": torch.tensor([1, 2]), "weights": torch.ones(2)},
+        ),
+        "token id -4",
+    ),
+    (
+        "target-vocab",
+        lambda s: TrainItem(
+            s,
+            [1, 2],
+            "cross_entropy",
+            {"target_tokens": torch.tensor([1, 500]), "weights": torch.ones(2)},
+        ),
+        "500",
+    ),
+    (
+        "nan-adv",
+        lambda s: TrainItem(
+            s,
+            [1, 2],
+            "importance_sampling",
+            {
+                "target_tokens": torch.tensor([1, 2]),
+                "logprobs": torch.zeros(2),
+                "advantages": torch.tensor([0.0, float("nan")]),
+            },
+        ),
+        "advantages",
+    ),
+    (
+        "inf-weights",
+        lambda s: TrainItem(
+            s,
+            [1, 2],
+            "cross_entropy",
+            {"target_tokens": torch.tensor([1, 2]), "weights": torch.tensor([1.0, float("inf")])},
+        ),
+        "weights",
+    ),
+    (
+        "unknown-loss",
+        lambda s: TrainItem(s, [1, 2], "kl_magic", {"target_tokens": torch.tensor([1, 2])}),
+        "kl_magic",
+    ),
+    (
+        "unknown-slot",
+        lambda s: TrainItem(
+            5,
+            [1, 2],
+            "cross_entropy",
+            {"target_tokens": torch.tensor([1, 2]), "weights": torch.ones(2)},
+        ),
+        "slot 5",
+    ),
+    (
+        "empty",
+        lambda s: TrainItem(
+            s,
+            [],
+            "cross_entropy",
+            {"target_tokens": torch.tensor([], dtype=torch.long), "weights": torch.ones(0)},
+        ),
+        "empty",
+    ),
+    (
+        "float-tokens",
+        lambda s: TrainItem(
+            s,
+            torch.tensor([1.0, 2.0]),
+            "cross_entropy",
+            {"target_tokens": torch.tensor([1, 2]), "weights": torch.ones(2)},
+        ),
+        "integers",
+    ),
 ]
 
 
@@ -199,7 +315,9 @@ def test_slot_without_gradient_is_not_moved_and_others_untouched():
     b = engine.create_adapter(AdapterSpec(rank=4, alpha=8.0, seed=2))
     engine.forward_backward([sft_item(a, 1)])
     params_b = engine.bank.params[b].clone()
-    metrics = engine.optim_step({a: AdamHParams(learning_rate=1e-2), b: AdamHParams(learning_rate=1e-2)})
+    metrics = engine.optim_step(
+        {a: AdamHParams(learning_rate=1e-2), b: AdamHParams(learning_rate=1e-2)}
+    )
     assert torch.equal(engine.bank.params[b], params_b)
     assert metrics[a]["grad_norm"] > 0
     assert engine.optimizer.slot_step(a) == 1 and engine.optimizer.slot_step(b) == 0
@@ -218,7 +336,9 @@ def test_topk_cross_entropy_targets_gather_k_logprobs_per_position():
     with torch.no_grad(), engine.adapted.routing("train", torch.full((1, 4), slot)):
         logp = torch.log_softmax(engine.adapted.model(tokens.unsqueeze(0)).logits[0], -1)
     torch.testing.assert_close(out.items[1].logprobs, logp.gather(-1, topk), atol=1e-5, rtol=1e-5)
-    assert out.items[1].metrics["loss:sum"] == pytest.approx(float(-(logp.gather(-1, topk) * weights).sum()), rel=1e-5)
+    assert out.items[1].metrics["loss:sum"] == pytest.approx(
+        float(-(logp.gather(-1, topk) * weights).sum()), rel=1e-5
+    )
 
 
 def test_forward_scores_the_base_model_on_slot_zero_and_training_it_is_refused():
@@ -228,14 +348,19 @@ def test_forward_scores_the_base_model_on_slot_zero_and_training_it_is_refused()
     slot = engine.create_adapter(AdapterSpec(rank=4, alpha=8.0, seed=1))
     gen = torch.Generator().manual_seed(3)
     # a non-zero B, so that the adapter differs from the base
-    weights = {p: (A, torch.randn(B.shape, generator=gen)) for p, (A, B) in engine.bank.slot_weights(slot).items()}
+    weights = {
+        p: (A, torch.randn(B.shape, generator=gen))
+        for p, (A, B) in engine.bank.slot_weights(slot).items()
+    }
     engine.bank.load_slot_weights(slot, weights)
     item = sft_item(0, 5)
     out = engine.forward([item, sft_item(slot, 5)])
     ids = item.tokens.unsqueeze(0)
     with engine.adapted.routing("train", torch.zeros_like(ids)), torch.no_grad():
         logits = engine.adapted.model(input_ids=ids).logits.float()
-    want = torch.log_softmax(logits, -1)[0].gather(-1, item.loss_inputs["target_tokens"].unsqueeze(-1))
+    want = torch.log_softmax(logits, -1)[0].gather(
+        -1, item.loss_inputs["target_tokens"].unsqueeze(-1)
+    )
     torch.testing.assert_close(out.items[0].logprobs, want.squeeze(-1), atol=1e-5, rtol=0)
     assert not torch.allclose(out.items[0].logprobs, out.items[1].logprobs, atol=1e-3)
     with pytest.raises(TrainInputError, match="slot 0"):

@@ -235,7 +235,10 @@ def _adapted():
     for spec in (AdapterSpec(rank=4, alpha=8.0, seed=1), AdapterSpec(rank=8, alpha=8.0, seed=2)):
         slot = bank.allocate(spec)
         weights = {
-            p: (torch.randn(A.shape, generator=gen) * 0.3, torch.randn(B.shape, generator=gen) * 0.3)
+            p: (
+                torch.randn(A.shape, generator=gen) * 0.3,
+                torch.randn(B.shape, generator=gen) * 0.3,
+            )
             for p, (A, B) in bank.slot_weights(slot).items()
         }
         bank.load_slot_weights(slot, weights)

@@ -13,10 +13,10 @@ import torch
 
 from lorafleet.adapters.checkpoint import read_training_state
 from lorafleet.adapters.peft_io import read_peft
-from lorafleet.dist.fsdp import deal_rows, owned_slots, slot_owner
-from lorafleet.dist.launcher import TorchrunRanks
-from lorafleet.dist.protocol import RankSettings
-from lorafleet.dist.remote import DistTrainEngine
+from lorafleet.distributed.fsdp import deal_rows, owned_slots, slot_owner
+from lorafleet.distributed.launcher import TorchrunRanks
+from lorafleet.distributed.protocol import RankSettings
+from lorafleet.distributed.remote import DistTrainEngine
 from lorafleet.model.adapted import AdaptedModel
 from lorafleet.model.banks import AdapterSpec
 from lorafleet.model.loader import load_base
@@ -274,7 +274,10 @@ def test_base_model_scoring_through_the_ranks_matches_one_process(engines):
         torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
     tokens = list(range(3, 19))
     torch.testing.assert_close(
-        trainer_logprobs(sharded, None, tokens), trainer_logprobs(single, None, tokens), atol=1e-5, rtol=0
+        trainer_logprobs(sharded, None, tokens),
+        trainer_logprobs(single, None, tokens),
+        atol=1e-5,
+        rtol=0,
     )
     with pytest.raises(TrainInputError, match="slot 0"):
         sharded.forward_backward([sft(0, 73, 6)])

@@ -28,7 +28,10 @@ SEQ = 9
 def _random_weights(bank, slot, gen):
     weights = {}
     for path, (A, B) in bank.slot_weights(slot).items():
-        weights[path] = (torch.randn(A.shape, generator=gen) * 0.3, torch.randn(B.shape, generator=gen) * 0.3)
+        weights[path] = (
+            torch.randn(A.shape, generator=gen) * 0.3,
+            torch.randn(B.shape, generator=gen) * 0.3,
+        )
     return weights
 
 
@@ -81,7 +84,9 @@ def _row_loss_weights(vocab, dtype=torch.float32):
 def test_mixed_batch_matches_peft_per_adapter(model_fn):
     adapted, bank = _build(model_fn)
     vocab = adapted.model.config.vocab_size
-    input_ids = torch.randint(0, vocab, (len(ROW_SLOTS), SEQ), generator=torch.Generator().manual_seed(1))
+    input_ids = torch.randint(
+        0, vocab, (len(ROW_SLOTS), SEQ), generator=torch.Generator().manual_seed(1)
+    )
     loss_w = _row_loss_weights(vocab)
     with adapted.routing("train", bank.slot_ids_for_rows(ROW_SLOTS, SEQ)):
         logits = adapted.model(input_ids).logits
@@ -101,7 +106,9 @@ def test_mixed_batch_matches_peft_per_adapter(model_fn):
         effect = float((peft_logits - base_logits[rows]).detach().abs().max())
         assert effect > 0.05, "adapter had no effect"
         # fp32 differences from batching the rows differently, far below the adapter's effect.
-        torch.testing.assert_close(logits[rows].detach(), peft_logits.detach(), atol=1e-3 * effect, rtol=1e-4)
+        torch.testing.assert_close(
+            logits[rows].detach(), peft_logits.detach(), atol=1e-3 * effect, rtol=1e-4
+        )
         (peft_logits * loss_w[rows]).sum().backward()
         named = dict(peft_model.named_parameters())
         rank = spec.rank
@@ -137,7 +144,9 @@ def test_grouped_and_loop_kernels_agree_with_uneven_and_empty_groups(dtype):
         gen = torch.Generator().manual_seed(3)
         input_ids = torch.randint(0, 96, (7, 6), generator=gen)
         # Per-token routing: slot 2 empty, slot 4 one token, others uneven.
-        slot_ids = torch.tensor([1, 1, 1, 3, 3, 0] * 6 + [4] + [1] * 5, dtype=torch.int64).view(7, 6)
+        slot_ids = torch.tensor([1, 1, 1, 3, 3, 0] * 6 + [4] + [1] * 5, dtype=torch.int64).view(
+            7, 6
+        )
         with adapted.routing("train", slot_ids) as routing:
             assert routing.counts[1] == 0
             logits = adapted.model(input_ids).logits
@@ -174,7 +183,9 @@ def test_bf16_base_matches_peft_within_dtype_tolerance():
     """Our bf16 logits are at least as close to the fp32 truth as PEFT's own bf16 run is
     (the LoRA path runs in fp32, as PEFT's does with fp32 adapter weights)."""
     adapted, bank = _build(tiny_qwen3, dtype=torch.bfloat16)
-    input_ids = torch.randint(0, 96, (len(ROW_SLOTS), SEQ), generator=torch.Generator().manual_seed(1))
+    input_ids = torch.randint(
+        0, 96, (len(ROW_SLOTS), SEQ), generator=torch.Generator().manual_seed(1)
+    )
     with torch.no_grad(), adapted.routing("train", bank.slot_ids_for_rows(ROW_SLOTS, SEQ)):
         logits = adapted.model(input_ids).logits.float()
     for slot, spec in enumerate(SPECS, start=1):
@@ -182,15 +193,21 @@ def test_bf16_base_matches_peft_within_dtype_tolerance():
         weights = bank.slot_weights(slot)
         with torch.no_grad():
             ref32 = _peft_model(tiny_qwen3, spec, weights)(input_ids[rows]).logits
-            ref16 = _peft_model(tiny_qwen3, spec, weights, torch.bfloat16)(input_ids[rows]).logits.float()
+            ref16 = _peft_model(tiny_qwen3, spec, weights, torch.bfloat16)(
+                input_ids[rows]
+            ).logits.float()
         scale = ref32.abs().max()
         ours_vs_truth = (logits[rows] - ref32).abs().max() / scale
         peft16_vs_truth = (ref16 - ref32).abs().max() / scale
-        assert ours_vs_truth < 1.5 * peft16_vs_truth + 0.01, f"slot {slot}: {ours_vs_truth:.3g} vs PEFT's {peft16_vs_truth:.3g}"
+        assert ours_vs_truth < 1.5 * peft16_vs_truth + 0.01, (
+            f"slot {slot}: {ours_vs_truth:.3g} vs PEFT's {peft16_vs_truth:.3g}"
+        )
 
 
 def test_odd_shapes_fall_back_to_loop_kernel_automatically():
-    model = tiny_llama().to(torch.bfloat16)  # hidden 48 * 2 bytes is fine, 72 * 2 = 144 too; rank 3 is not
+    model = tiny_llama().to(
+        torch.bfloat16
+    )  # hidden 48 * 2 bytes is fine, 72 * 2 = 144 too; rank 3 is not
     adapted = AdaptedModel(model, resolve_tinker_targets(model))
     bank = adapted.add_bank("train", num_slots=3, r_max=3)
     bank.allocate(AdapterSpec(rank=3, alpha=3.0))
@@ -199,7 +216,7 @@ def test_odd_shapes_fall_back_to_loop_kernel_automatically():
 
 
 def test_init_is_peft_like_deterministic_and_slot_independent():
-    adapted, bank = _build(tiny_qwen3)
+    _adapted, bank = _build(tiny_qwen3)
     spec = AdapterSpec(rank=4, alpha=8.0, seed=7)
     a = bank.allocate(spec)
     bank.free(a)
@@ -212,9 +229,11 @@ def test_init_is_peft_like_deterministic_and_slot_independent():
     assert B.abs().max() == 0
     fan_in = A.shape[1]
     assert A.abs().max() <= 1 / math.sqrt(fan_in)
-    torch.testing.assert_close(A, kaiming_uniform_A(4, fan_in, init_seed(7, path, "A")), atol=0, rtol=0)
+    torch.testing.assert_close(
+        A, kaiming_uniform_A(4, fan_in, init_seed(7, path, "A")), atol=0, rtol=0
+    )
     # A second model (another process, another slot) initialises the same adapter identically.
-    adapted2, bank2 = _build(tiny_qwen3)
+    _adapted2, bank2 = _build(tiny_qwen3)
     slot2 = bank2.allocate(spec, slot=7)
     assert slot2 != c
     for p, (A2, _) in bank2.slot_weights(slot2).items():
@@ -239,7 +258,9 @@ def test_target_resolution_peft_and_tinker():
     assert len(attn) == 8 and all("self_attn" in p for p in attn)
     mlp = resolve_tinker_targets(model, train_attn=False, train_mlp=True, train_unembed=False)
     assert len(mlp) == 6 and all(".mlp." in p for p in mlp)
-    assert resolve_tinker_targets(model, train_attn=False, train_mlp=False, train_unembed=True) == ("lm_head",)
+    assert resolve_tinker_targets(model, train_attn=False, train_mlp=False, train_unembed=True) == (
+        "lm_head",
+    )
 
 
 def test_bad_configs_fail_with_clear_errors():
@@ -285,7 +306,10 @@ def test_bad_configs_fail_with_clear_errors():
 def test_routing_token_count_mismatch_is_an_error():
     adapted, bank = _build(tiny_qwen3)
     slot_ids = bank.slot_ids_for_rows([1, 2], 5)
-    with pytest.raises(ValueError, match="routing covers 10 tokens"), adapted.routing("train", slot_ids):
+    with (
+        pytest.raises(ValueError, match="routing covers 10 tokens"),
+        adapted.routing("train", slot_ids),
+    ):
         adapted.model(torch.zeros(2, 4, dtype=torch.long))
 
 
@@ -320,13 +344,25 @@ def test_deepcopy_free_state_dict_names_are_the_base_ones():
 def test_targets_resolve_the_same_after_wrapping_and_double_wrap_is_refused():
     model = tiny_qwen3()
     before = {
-        flags: resolve_tinker_targets(model, train_attn=flags[0], train_mlp=flags[1], train_unembed=flags[2])
-        for flags in [(True, True, True), (True, False, False), (False, True, False), (False, False, True)]
+        flags: resolve_tinker_targets(
+            model, train_attn=flags[0], train_mlp=flags[1], train_unembed=flags[2]
+        )
+        for flags in [
+            (True, True, True),
+            (True, False, False),
+            (False, True, False),
+            (False, False, True),
+        ]
     }
     all_linear = resolve_target_modules(model, "all-linear")
     adapted = AdaptedModel(model, before[(True, True, True)])
     for flags, paths in before.items():
-        assert resolve_tinker_targets(model, train_attn=flags[0], train_mlp=flags[1], train_unembed=flags[2]) == paths
+        assert (
+            resolve_tinker_targets(
+                model, train_attn=flags[0], train_mlp=flags[1], train_unembed=flags[2]
+            )
+            == paths
+        )
     assert resolve_target_modules(model, "all-linear") == all_linear
     with pytest.raises(TargetError, match="already carries adapter banks"):
         AdaptedModel(adapted.model, ["lm_head"])

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lorafleet.dist.protocol import RankSettings
-from lorafleet.dist.remote import DistTrainEngine
+from lorafleet.distributed.protocol import RankSettings
+from lorafleet.distributed.remote import DistTrainEngine
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ def _check_same_base(trainer: DistTrainEngine, base_model_id: str) -> None:
 def _torchrun_stack(
     engine: Any, base: Any, targets: Sequence[str], config: DistConfig, settings: RankSettings
 ) -> DistStack:
-    from lorafleet.dist.launcher import TorchrunRanks
+    from lorafleet.distributed.launcher import TorchrunRanks
     from lorafleet.model.adapted import AdaptedModel
     from lorafleet.sample.engine import SampleEngine
     from lorafleet.sample.versions import VersionStore
@@ -121,7 +121,7 @@ def _torchrun_stack(
 def _ray_stack(
     engine: Any, base: Any, targets: Sequence[str], config: DistConfig, settings: RankSettings
 ) -> DistStack:
-    from lorafleet.dist.ray_workers import RayRanks, RaySamplerPool, SamplerSettings, connect
+    from lorafleet.distributed.ray_workers import RayRanks, RaySamplerPool, SamplerSettings, connect
 
     connect(config.ray or "local", num_cpus=config.ray_num_cpus)
     trainer = DistTrainEngine(RayRanks(settings, config.trainer_ranks))

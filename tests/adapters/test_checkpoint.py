@@ -45,7 +45,9 @@ SPEC = AdapterSpec(
 def _build(r_max=8, num_slots=6, layer_paths=None, trainable=True):
     model = tiny_qwen3()
     adapted = AdaptedModel(model, resolve_tinker_targets(model))
-    bank = adapted.add_bank("train", num_slots=num_slots, r_max=r_max, layer_paths=layer_paths, trainable=trainable)
+    bank = adapted.add_bank(
+        "train", num_slots=num_slots, r_max=r_max, layer_paths=layer_paths, trainable=trainable
+    )
     optimizer = BankAdamW(bank.params, bank.grads) if trainable else None
     return adapted, bank, optimizer
 
@@ -56,7 +58,13 @@ def _fake_step(bank, optimizer, slot, grad_seed, hp=HP):
     gen = torch.Generator().manual_seed(grad_seed)
     views = bank.split_row(bank.params[slot], info.spec.rank, info.targets)
     # Drawn in sorted path order, so banks with another layer order get the same gradient.
-    grads = {p: (torch.randn(views[p][0].shape, generator=gen), torch.randn(views[p][1].shape, generator=gen)) for p in sorted(views)}
+    grads = {
+        p: (
+            torch.randn(views[p][0].shape, generator=gen),
+            torch.randn(views[p][1].shape, generator=gen),
+        )
+        for p in sorted(views)
+    }
     bank.grads[slot].copy_(bank.join_row(grads, info.spec.rank, info.targets))
     optimizer.note_gradient([slot])
     optimizer.step({slot: hp})
@@ -93,7 +101,11 @@ def _assert_layers_equal(a, b):
 
 
 def _snapshot(bank, optimizer):
-    opt = None if optimizer is None else (optimizer.exp_avg.clone(), optimizer.exp_avg_sq.clone(), optimizer.step_count.clone())
+    opt = (
+        None
+        if optimizer is None
+        else (optimizer.exp_avg.clone(), optimizer.exp_avg_sq.clone(), optimizer.step_count.clone())
+    )
     return [None if s is None else s.spec for s in bank.slots], bank.params.clone(), opt
 
 
@@ -111,8 +123,10 @@ def _assert_unchanged(bank, optimizer, snapshot):
 
 
 def test_round_trip_into_other_slot_is_bit_exact(tmp_path):
-    adapted, bank, optimizer, slot, ckpt = _trained(tmp_path)
-    new = restore_training_state(ckpt, bank=bank, optimizer=optimizer, base_model_id=BASE_ID, slot=5)
+    _adapted, bank, optimizer, slot, ckpt = _trained(tmp_path)
+    new = restore_training_state(
+        ckpt, bank=bank, optimizer=optimizer, base_model_id=BASE_ID, slot=5
+    )
     assert new == 5
     assert bank.slots[new].spec == bank.slots[slot].spec
     assert torch.equal(bank.params[new], bank.params[slot])
@@ -131,7 +145,7 @@ def test_round_trip_into_other_slot_is_bit_exact(tmp_path):
 
 
 def test_round_trip_into_bank_with_other_layout_is_bit_exact(tmp_path):
-    adapted, bank, optimizer, slot, ckpt = _trained(tmp_path)
+    _adapted, bank, optimizer, slot, ckpt = _trained(tmp_path)
     # Different r_max, slot count and layer order (the flat rows share nothing).
     _, other, other_opt = _build(r_max=16, num_slots=3, layer_paths=list(reversed(SPEC.targets)))
     assert other.row_size != bank.row_size
@@ -151,10 +165,15 @@ def test_round_trip_into_bank_with_other_layout_is_bit_exact(tmp_path):
 
 
 def test_training_resumes_identically(tmp_path):
-    adapted, bank, optimizer, slot, _ = _trained(tmp_path, steps=1)
+    _adapted, bank, optimizer, slot, _ = _trained(tmp_path, steps=1)
     _fake_step(bank, optimizer, slot, 5, HP)
     ckpt = save_training_state(
-        tmp_path / "after", bank=bank, slot=slot, optimizer=optimizer, base_model_id=BASE_ID, hparams=HP
+        tmp_path / "after",
+        bank=bank,
+        slot=slot,
+        optimizer=optimizer,
+        base_model_id=BASE_ID,
+        hparams=HP,
     )
     new = restore_training_state(ckpt, bank=bank, optimizer=optimizer, base_model_id=BASE_ID)
     for i in range(3):
@@ -167,7 +186,7 @@ def test_training_resumes_identically(tmp_path):
 
 
 def test_restore_into_inference_only_bank(tmp_path):
-    adapted, bank, optimizer, slot, ckpt = _trained(tmp_path)
+    adapted, bank, _optimizer, slot, ckpt = _trained(tmp_path)
     sample = adapted.add_bank("sample", num_slots=3, r_max=8, trainable=False)
     new = restore_training_state(ckpt, bank=sample, optimizer=None, base_model_id=BASE_ID)
     ids = torch.randint(0, 96, (2, 6), generator=torch.Generator().manual_seed(0))
@@ -180,7 +199,7 @@ def test_restore_into_inference_only_bank(tmp_path):
 
 
 def test_optimizer_state_optional_both_ways(tmp_path):
-    adapted, bank, optimizer, slot, ckpt = _trained(tmp_path)
+    _adapted, bank, optimizer, slot, ckpt = _trained(tmp_path)
     weights_only = save_training_state(
         tmp_path / "w", bank=bank, slot=slot, optimizer=None, base_model_id=BASE_ID, hparams=None
     )
@@ -188,18 +207,26 @@ def test_optimizer_state_optional_both_ways(tmp_path):
     state = read_training_state(weights_only)
     assert state.moments is None and state.step is None and state.hparams is None
     # A slot restored without optimizer state starts as a fresh AdamW, even if it was used before.
-    new = restore_training_state(weights_only, bank=bank, optimizer=optimizer, base_model_id=BASE_ID, slot=4)
+    new = restore_training_state(
+        weights_only, bank=bank, optimizer=optimizer, base_model_id=BASE_ID, slot=4
+    )
     assert optimizer.slot_step(new) == 0 and optimizer.exp_avg[new].abs().max() == 0
     assert torch.equal(bank.params[new], bank.params[slot])
     bank.free(new)
-    new = restore_training_state(ckpt, bank=bank, optimizer=optimizer, base_model_id=BASE_ID, load_optimizer=False)
+    new = restore_training_state(
+        ckpt, bank=bank, optimizer=optimizer, base_model_id=BASE_ID, load_optimizer=False
+    )
     assert optimizer.slot_step(new) == 0 and optimizer.exp_avg_sq[new].abs().max() == 0
 
 
 def test_files_are_private_and_layout_free(tmp_path):
-    adapted, bank, optimizer, slot, ckpt = _trained(tmp_path)
+    _adapted, bank, optimizer, slot, ckpt = _trained(tmp_path)
     assert stat.S_IMODE(ckpt.stat().st_mode) == 0o700
-    assert sorted(p.name for p in ckpt.iterdir()) == ["optimizer.safetensors", "state.json", "weights.safetensors"]
+    assert sorted(p.name for p in ckpt.iterdir()) == [
+        "optimizer.safetensors",
+        "state.json",
+        "weights.safetensors",
+    ]
     for file in ckpt.iterdir():
         assert stat.S_IMODE(file.stat().st_mode) == 0o600, file
     doc = json.loads((ckpt / "state.json").read_text())
@@ -219,8 +246,18 @@ def test_files_are_private_and_layout_free(tmp_path):
     assert opt["step"].dtype == torch.int64 and opt["step"].dim() == 0 and int(opt["step"]) == 3
     assert opt["exp_avg_sq.lm_head.B"].shape == (96, 4)
     with pytest.raises(FileExistsError, match="already exists"):
-        save_training_state(ckpt, bank=bank, slot=slot, optimizer=optimizer, base_model_id=BASE_ID, hparams=HP)
-    save_training_state(ckpt, bank=bank, slot=slot, optimizer=None, base_model_id=BASE_ID, hparams=HP, overwrite=True)
+        save_training_state(
+            ckpt, bank=bank, slot=slot, optimizer=optimizer, base_model_id=BASE_ID, hparams=HP
+        )
+    save_training_state(
+        ckpt,
+        bank=bank,
+        slot=slot,
+        optimizer=None,
+        base_model_id=BASE_ID,
+        hparams=HP,
+        overwrite=True,
+    )
     assert sorted(p.name for p in ckpt.iterdir()) == ["state.json", "weights.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
@@ -229,10 +266,12 @@ def test_files_are_private_and_layout_free(tmp_path):
 
 
 def test_wrong_base_model_is_refused(tmp_path):
-    adapted, bank, optimizer, slot, ckpt = _trained(tmp_path)
+    _adapted, bank, optimizer, _slot, ckpt = _trained(tmp_path)
     snapshot = _snapshot(bank, optimizer)
     with pytest.raises(CheckpointError, match=r"'tests/tiny-qwen3'.*'org/other-model'"):
-        restore_training_state(ckpt, bank=bank, optimizer=optimizer, base_model_id="org/other-model")
+        restore_training_state(
+            ckpt, bank=bank, optimizer=optimizer, base_model_id="org/other-model"
+        )
     _assert_unchanged(bank, optimizer, snapshot)
 
 
@@ -249,29 +288,45 @@ def _edit_state(ckpt, edit):
 
 
 def test_restore_errors_change_nothing(tmp_path):
-    adapted, bank, optimizer, slot, ckpt = _trained(tmp_path)
+    _adapted, bank, optimizer, slot, ckpt = _trained(tmp_path)
 
     def check(target_bank, target_opt, message, **kwargs):
         snapshot = _snapshot(target_bank, target_opt)
         with pytest.raises((CheckpointError, BankError), match=message):
-            restore_training_state(ckpt, bank=target_bank, optimizer=target_opt, base_model_id=BASE_ID, **kwargs)
+            restore_training_state(
+                ckpt, bank=target_bank, optimizer=target_opt, base_model_id=BASE_ID, **kwargs
+            )
         _assert_unchanged(target_bank, target_opt, snapshot)
 
     _, small, small_opt = _build(r_max=2)
     check(small, small_opt, "rank 4 exceeds r_max 2")
-    _, attn, attn_opt = _build(layer_paths=["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj"])
+    _, attn, attn_opt = _build(
+        layer_paths=["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj"]
+    )
     check(attn, attn_opt, r"\['lm_head', 'model.layers.1.mlp.down_proj'\] are not layers")
     check(bank, optimizer, "already in use", slot=slot)
     _, other, _ = _build()
     check(other, optimizer, "optimizer does not manage bank")
 
     for edit, message, name in [
-        (lambda t: t.__setitem__("lm_head.A", torch.zeros(5, 64)), r"lm_head\.A has shape \(5, 64\)", "weights.safetensors"),
-        (lambda t: t.__setitem__("lm_head.A", torch.zeros(4, 63)), "does not have the weights' shapes", "weights.safetensors"),
+        (
+            lambda t: t.__setitem__("lm_head.A", torch.zeros(5, 64)),
+            r"lm_head\.A has shape \(5, 64\)",
+            "weights.safetensors",
+        ),
+        (
+            lambda t: t.__setitem__("lm_head.A", torch.zeros(4, 63)),
+            "does not have the weights' shapes",
+            "weights.safetensors",
+        ),
         (lambda t: t.pop("lm_head.B"), r"missing \['lm_head.B'\]", "weights.safetensors"),
         (lambda t: t["lm_head.B"].fill_(float("nan")), "NaN", "weights.safetensors"),
         (lambda t: t["exp_avg_sq.lm_head.B"].fill_(-1.0), "negative", "optimizer.safetensors"),
-        (lambda t: t.__setitem__("step", torch.tensor(7)), "does not match state.json step 3", "optimizer.safetensors"),
+        (
+            lambda t: t.__setitem__("step", torch.tensor(7)),
+            "does not match state.json step 3",
+            "optimizer.safetensors",
+        ),
     ]:
         backup = load_file(ckpt / name)
         _edit_weights(ckpt, edit, name)
@@ -279,10 +334,16 @@ def test_restore_errors_change_nothing(tmp_path):
         save_file(backup, ckpt / name)
 
     # Consistent files whose shapes do not fit the bank's layer.
-    backups = {name: load_file(ckpt / name) for name in ("weights.safetensors", "optimizer.safetensors")}
+    backups = {
+        name: load_file(ckpt / name) for name in ("weights.safetensors", "optimizer.safetensors")
+    }
     _edit_weights(ckpt, lambda t: t.__setitem__("lm_head.A", torch.zeros(4, 63)))
     for m in ("exp_avg", "exp_avg_sq"):
-        _edit_weights(ckpt, lambda t, m=m: t.__setitem__(f"{m}.lm_head.A", torch.zeros(4, 63)), "optimizer.safetensors")
+        _edit_weights(
+            ckpt,
+            lambda t, m=m: t.__setitem__(f"{m}.lm_head.A", torch.zeros(4, 63)),
+            "optimizer.safetensors",
+        )
     check(bank, optimizer, "layer is 64 -> 96")
     for name, tensors in backups.items():
         save_file(tensors, ckpt / name)
@@ -302,18 +363,38 @@ def test_restore_errors_change_nothing(tmp_path):
 
 
 def test_save_refuses_state_the_checkpoint_could_not_restore(tmp_path):
-    adapted, bank, optimizer, slot, _ = _trained(tmp_path)
+    _adapted, bank, _optimizer, slot, _ = _trained(tmp_path)
     # A value beyond the adapter's rank would be silently dropped by the per-layer form.
     bank.layer_banks["lm_head"].A.data[slot, 6, 0] = 1.0
     with pytest.raises(CheckpointError, match="outside the adapter's rank"):
-        save_training_state(tmp_path / "x", bank=bank, slot=slot, optimizer=None, base_model_id=BASE_ID, hparams=None)
+        save_training_state(
+            tmp_path / "x",
+            bank=bank,
+            slot=slot,
+            optimizer=None,
+            base_model_id=BASE_ID,
+            hparams=None,
+        )
     bank.layer_banks["lm_head"].A.data[slot, 6, 0] = 0.0
     bank.layer_banks["lm_head"].A.data[slot, 0, 0] = float("nan")
     with pytest.raises(CheckpointError, match="NaN"):
-        save_training_state(tmp_path / "x", bank=bank, slot=slot, optimizer=None, base_model_id=BASE_ID, hparams=None)
+        save_training_state(
+            tmp_path / "x",
+            bank=bank,
+            slot=slot,
+            optimizer=None,
+            base_model_id=BASE_ID,
+            hparams=None,
+        )
     with pytest.raises(CheckpointError, match="metadata is not plain JSON"):
         save_training_state(
-            tmp_path / "x", bank=bank, slot=1, optimizer=None, base_model_id=BASE_ID, hparams=None, metadata={"t": object()}
+            tmp_path / "x",
+            bank=bank,
+            slot=1,
+            optimizer=None,
+            base_model_id=BASE_ID,
+            hparams=None,
+            metadata={"t": object()},
         )
     assert not (tmp_path / "x").exists()
 
@@ -362,7 +443,9 @@ def test_atomic_file_writes(tmp_path):
     assert json.loads(path.read_text()) == {"a": [1.5], "b": 1}
     atomic_write_bytes(path, b"raw")
     assert path.read_bytes() == b"raw"
-    atomic_save_safetensors(tmp_path / "t.safetensors", {"x": torch.arange(6.0).view(2, 3).t()}, {"k": "v"})
+    atomic_save_safetensors(
+        tmp_path / "t.safetensors", {"x": torch.arange(6.0).view(2, 3).t()}, {"k": "v"}
+    )
     assert torch.equal(load_file(tmp_path / "t.safetensors")["x"], torch.arange(6.0).view(2, 3).t())
     assert _hidden(tmp_path) == []
 
@@ -375,7 +458,9 @@ def test_ensure_private_dir(tmp_path):
     assert ensure_private_dir(leaf) == leaf
 
 
-@pytest.mark.parametrize("bad", ["../x", "a/b", ".hidden", "", "x" * 200, "..", ".", "a b", "é", None])
+@pytest.mark.parametrize(
+    "bad", ["../x", "a/b", ".hidden", "", "x" * 200, "..", ".", "a b", "é", None]
+)
 def test_safe_name_rejects(bad):
     with pytest.raises(ValueError, match="adapter_id"):
         safe_name(bad, "adapter_id")
@@ -387,7 +472,7 @@ def test_safe_name_accepts():
 
 
 def test_failure_after_allocation_frees_the_slot(tmp_path, monkeypatch):
-    adapted, bank, optimizer, slot, ckpt = _trained(tmp_path)
+    _adapted, bank, optimizer, _slot, ckpt = _trained(tmp_path)
     snapshot = _snapshot(bank, optimizer)
 
     def fail(*_args, **_kwargs):

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 from tinker import types
 
-from lorafleet.dist.stack import DistConfig
+from lorafleet.distributed.stack import DistConfig
 from lorafleet.server.main import ServerThread
 from tests.server.conftest import KEY_A, connect, server_config, sl_datum
 

@@ -22,9 +22,9 @@ from dataclasses import asdict
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Any
 
-from lorafleet.dist.fsdp import DistError
-from lorafleet.dist.protocol import RankSettings, Reply, command, recv, send
-from lorafleet.dist.trainer_worker import ENV_AUTHKEY, ENV_CONNECT, ENV_DEVICE, ENV_TIMEOUT
+from lorafleet.distributed.fsdp import DistError
+from lorafleet.distributed.protocol import RankSettings, Reply, command, recv, send
+from lorafleet.distributed.trainer_worker import ENV_AUTHKEY, ENV_CONNECT, ENV_DEVICE, ENV_TIMEOUT
 
 
 def _stop_group(proc: subprocess.Popen, grace_s: float) -> None:
@@ -75,7 +75,7 @@ class TorchrunRanks:
             "--standalone",
             f"--nproc_per_node={nproc}",
             "-m",
-            "lorafleet.dist.trainer_worker",
+            "lorafleet.distributed.trainer_worker",
         ]
         self.proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         self._finalizer = weakref.finalize(self, _stop_group, self.proc, 0.0)

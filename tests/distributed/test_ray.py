@@ -14,8 +14,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from lorafleet.dist.protocol import RankSettings
-from lorafleet.dist.remote import DistTrainEngine
+from lorafleet.distributed.protocol import RankSettings
+from lorafleet.distributed.remote import DistTrainEngine
 from lorafleet.model.banks import AdapterSpec
 from lorafleet.sample.types import SampleRequest, SamplingParams
 from lorafleet.sample.verify import publish_verified
@@ -25,7 +25,7 @@ from lorafleet.train.optim import AdamHParams
 
 ray = pytest.importorskip("ray")
 
-from lorafleet.dist.ray_workers import RayRanks, RaySamplerPool, SamplerSettings  # noqa: E402
+from lorafleet.distributed.ray_workers import RayRanks, RaySamplerPool, SamplerSettings  # noqa: E402
 
 
 @pytest.fixture(scope="module")

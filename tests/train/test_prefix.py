@@ -171,8 +171,9 @@ def test_other_families_share_prefixes_exactly(preset):
     """tiny-llama ties its head to the embeddings; tiny-qwen3-moe routes tokens to experts."""
     engine = make_engine(preset, num_slots=4)
     items = group_items(1, "importance_sampling", 30, [4, 7, 2, 6], seed=11)
-    items += group_items(2, "importance_sampling", 18, [5, 3, 3], seed=12) + [
-        lone_item(2, "ppo", 12, 13)
+    items += [
+        *group_items(2, "importance_sampling", 18, [5, 3, 3], seed=12),
+        lone_item(2, "ppo", 12, 13),
     ]
     counts = count_tokens(engine)
     out = engine.forward_backward(items)
@@ -219,7 +220,7 @@ def test_plain_engine_runs_every_token_and_agrees():
 def test_small_budget_keeps_groups_whole_or_cuts_them_and_stays_exact():
     engine = make_engine("tiny-qwen3", token_budget=60)
     items = group_items(1, "importance_sampling", 24, [5, 9, 3, 7, 4, 6], seed=21)
-    items += group_items(2, "cross_entropy", 30, [8, 2], seed=22) + [lone_item(1, "cispo", 50, 23)]
+    items += [*group_items(2, "cross_entropy", 30, [8, 2], seed=22), lone_item(1, "cispo", 50, 23)]
     counts = count_tokens(engine)
     out = engine.forward_backward(items)
     assert out.num_microbatches > 2

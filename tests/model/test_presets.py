@@ -188,7 +188,9 @@ def test_materialize_loser_of_race_uses_winner(fresh_cache, tmp_path, monkeypatc
         shutil.copytree(stash, winner)  # the "other process" renames its copy into place
         (winner / "winner").write_text("x")
 
-    monkeypatch.setitem(PRESETS, "tiny-qwen3", dataclasses.replace(original, builder=racing_builder))
+    monkeypatch.setitem(
+        PRESETS, "tiny-qwen3", dataclasses.replace(original, builder=racing_builder)
+    )
     assert materialize("tiny-qwen3") == winner
     assert (winner / "winner").exists()
     assert sorted(p.name for p in winner.parent.iterdir() if ".tmp-" in p.name) == []
@@ -243,7 +245,9 @@ def test_materialized_files_are_private(fresh_cache):
 
 
 def test_parse_dtype():
-    assert parse_dtype("float32") is parse_dtype("fp32") is parse_dtype(torch.float32) is torch.float32
+    assert (
+        parse_dtype("float32") is parse_dtype("fp32") is parse_dtype(torch.float32) is torch.float32
+    )
     assert parse_dtype("bfloat16") is parse_dtype("BF16") is parse_dtype(torch.bfloat16)
     for bad in ("float16", torch.float16, "int8"):
         with pytest.raises(ValueError, match="float16|int8"):
