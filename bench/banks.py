@@ -1,10 +1,12 @@
-"""Adapter-bank overhead on SmolLM2-135M shapes, bf16, 8 adapters x (2 sequences x 128 tokens).
+"""Adapter-bank overhead on SmolLM2-135M shapes, 8 adapters x (2 sequences x 128 tokens).
 
 Same total tokens on every side, one forward+backward with a summed cross-entropy loss:
 - mixed:            16 rows spread over 8 adapters, one pass (our banks);
 - single:           16 rows all on 1 adapter, one pass (our banks);
 - peft_sequential:  PEFT doing the same work as 8 `set_adapter` passes of 2 rows each.
 Ratios: mixed_over_single (target <= 1.10), mixed_over_peft_sequential (target <= 0.8).
+Base dtype `--dtype` (default auto: bf16 only where the CPU multiplies it natively), the
+same on both sides.
 
     .venv/bin/python -m bench.banks --json bench/results/banks.json
 """
@@ -15,7 +17,14 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from bench.common import interleaved, parse_args, report, smollm2_shaped_config
+from bench.common import (
+    bench_dtype,
+    interleaved,
+    parse_args,
+    report,
+    smollm2_shaped_config,
+    torch_dtype,
+)
 from lorafleet.model.adapted import AdaptedModel
 from lorafleet.model.banks import AdapterSpec
 from lorafleet.model.targets import resolve_tinker_targets
@@ -24,10 +33,10 @@ ADAPTERS = 8
 ROWS_PER_ADAPTER = 2
 
 
-def build_base(seed: int = 0):
+def build_base(dtype: torch.dtype, seed: int = 0):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(
-        smollm2_shaped_config(), dtype=torch.bfloat16, attn_implementation="sdpa"
+        smollm2_shaped_config(), dtype=dtype, attn_implementation="sdpa"
     )
     return model.eval().requires_grad_(False)
 
@@ -42,12 +51,14 @@ def main() -> None:
     args = parse_args(
         __doc__, seq_len=(int, 128, "tokens per sequence"), rank=(int, 16, "LoRA rank")
     )
+    choice = bench_dtype(args.dtype)
+    dtype = torch_dtype(choice)
     torch.manual_seed(0)
     rows = ADAPTERS * ROWS_PER_ADAPTER
     input_ids = torch.randint(0, 49152, (rows, args.seq_len))
     targets = torch.randint(0, 49152, (rows, args.seq_len))
 
-    model = build_base()
+    model = build_base(dtype)
     paths = resolve_tinker_targets(model)
     adapted = AdaptedModel(model, paths)
     bank = adapted.add_bank("train", num_slots=ADAPTERS + 1, r_max=args.rank)
@@ -73,7 +84,7 @@ def main() -> None:
     from peft import LoraConfig, get_peft_model
 
     peft_model = get_peft_model(
-        build_base(),
+        build_base(dtype),
         LoraConfig(
             r=args.rank, lora_alpha=2 * args.rank, target_modules=list(paths), lora_dropout=0.0
         ),
@@ -104,7 +115,7 @@ def main() -> None:
     )
     mixed, single, peft = (timings[k]["min_s"] for k in timings)
     report(
-        f"banks: fwd+bwd, SmolLM2-135M shapes, bf16, 8 adapters x 2 x {args.seq_len} tokens, "
+        f"banks: fwd+bwd, SmolLM2-135M shapes, {choice.dtype}, 8 adapters x 2 x {args.seq_len} tokens, "
         f"rank {args.rank}, kernel {adapted.kernel}",
         timings,
         {
@@ -118,6 +129,7 @@ def main() -> None:
             "adapters": ADAPTERS,
             "rows_per_adapter": ROWS_PER_ADAPTER,
         },
+        dtype=choice,
     )
 
 

@@ -2,6 +2,12 @@
 
 The machines are shared and noisy, so benchmarks compare sides measured in the same run and
 report ratios; nothing here asserts a time.
+
+A ratio means little without the machine it came from: whether the CPU multiplies bf16
+natively decides most of a run's speed (lorafleet/hardware.py). So every bench takes
+`--dtype` (default `auto`, the same choice `lorafleet serve` / `rl` / `sft` make), prints the
+resolved dtype and its reason at start-up, and every JSON records where it ran
+(`environment()`), the dtype choice included.
 """
 
 from __future__ import annotations
@@ -17,20 +23,80 @@ from pathlib import Path
 import torch
 
 from lorafleet.fsio import atomic_write_bytes
+from lorafleet.hardware import DtypeChoice, cpu_info, resolve_dtype
 from lorafleet.model.banks import AdapterSpec
 
+# What `--dtype` accepts, and the names the loaders and peers (PEFT, vLLM, TRL) take.
+DTYPE_ALIASES = {
+    "auto": "auto",
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
-def parse_args(description: str, **extra: tuple[type, object, str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=description)
+
+def _dtype_value(value: str) -> str:
+    name = DTYPE_ALIASES.get(value.strip().lower())
+    if name is None:
+        raise argparse.ArgumentTypeError(
+            f"--dtype {value!r} is not one of: {', '.join(DTYPE_ALIASES)}"
+        )
+    return name
+
+
+def add_dtype_option(parser: argparse.ArgumentParser, default: str = "auto") -> None:
+    """`--dtype` for benches that build their own parser: the base model's dtype on every side
+    of the comparison, `auto` by default so a bench measures what the commands run here."""
+    parser.add_argument(
+        "--dtype",
+        type=_dtype_value,
+        default=_dtype_value(default),
+        help="base model dtype on every side: auto (bf16 where the hardware multiplies bf16 "
+        "natively, else fp32; lorafleet/hardware.py), float32 or bfloat16 (default: %(default)s)",
+    )
+
+
+def parse_args(
+    description: str, *, with_dtype: bool = True, **extra: tuple[type, object, str]
+) -> argparse.Namespace:
+    """The common options (`--json`, `--repeats`, `--dtype` unless `with_dtype=False`, for the
+    benches whose dtype is fixed by what they compare) plus the bench's own `extra` ones."""
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the results here as JSON")
     parser.add_argument(
         "--repeats", type=int, default=5, help="timed rounds per side (min is reported)"
     )
+    if with_dtype:
+        add_dtype_option(parser)
     for name, (kind, default, help_text) in extra.items():
         parser.add_argument(
             f"--{name.replace('_', '-')}", type=kind, default=default, help=help_text
         )
     return parser.parse_args()
+
+
+def bench_dtype(value: str, device: str | torch.device = "cpu") -> DtypeChoice:
+    """`--dtype` resolved on `device` (`auto`: the machine's choice, probed once), printed with
+    its reason at start-up so a reader of the log knows what the numbers were measured in."""
+    choice = resolve_dtype(_dtype_value(value), device)
+    print(f"dtype: {choice.dtype} ({choice.reason})", flush=True)
+    return choice
+
+
+def fixed_dtype(dtype: str, reason: str) -> DtypeChoice:
+    """For a bench whose dtype is part of what it compares (no `--dtype`): recorded and
+    printed like a resolved one, with the reason it is fixed."""
+    choice = DtypeChoice(_dtype_value(dtype), reason, auto=False)
+    print(f"dtype: {choice.dtype} ({choice.reason})", flush=True)
+    return choice
+
+
+def torch_dtype(choice: DtypeChoice) -> torch.dtype:
+    return TORCH_DTYPES[_dtype_value(choice.dtype)]
 
 
 def interleaved(
@@ -57,13 +123,41 @@ def interleaved(
     return out
 
 
-def environment() -> dict[str, object]:
+def _native_path() -> str:
+    from lorafleet.model import native
+
+    try:
+        return native.path_name()
+    except Exception as exc:  # noqa: BLE001 - the record must not cost a finished run
+        return f"unknown ({type(exc).__name__}: {exc})"
+
+
+def environment(dtype: DtypeChoice | None = None) -> dict[str, object]:
+    """Where a bench ran: the CPU and what this process may use of it (the ATen / oneDNN caps
+    lower it), the threads, the native LoRA kernel path, the CUDA device, and the dtype choice
+    with its reason. Read at the end of a run, so the thread count is the one it ran with."""
+    info = cpu_info()
+    cuda = torch.cuda.is_available()
+    try:
+        allowed = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        allowed = os.cpu_count()
     return {
+        "cpu_model": info.model,
+        "cpu_class": info.cpu_class,
+        "hardware_class": info.hardware_class,
+        "aten_capability": info.aten_capability,
+        "onednn_max_cpu_isa": info.onednn_cap,
+        "native_path": _native_path(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "cpus": os.cpu_count(),
+        "cpus_allowed": allowed,
         "machine": platform.machine(),
         "python": platform.python_version(),
+        "cuda_device": torch.cuda.get_device_name() if cuda else None,
+        "cuda_version": torch.version.cuda if cuda else None,
+        "dtype": dtype.record() if dtype is not None else None,
     }
 
 
@@ -73,9 +167,15 @@ def report(
     ratios: Mapping[str, tuple[float, str]],
     json_path: Path | None,
     extra: Mapping[str, object] | None = None,
+    *,
+    dtype: DtypeChoice,
 ) -> dict[str, object]:
-    """Prints a table of sides and ratios (with their targets) and writes the JSON."""
+    """Prints a table of sides and ratios (with their targets) and writes the JSON.
+
+    `dtype` is required so that no result is written without the dtype it was measured in and
+    why (it lands in `environment.dtype`, next to the machine it ran on)."""
     print(f"\n{title}")
+    print(f"dtype {dtype.dtype} ({dtype.reason}); native kernels {_native_path()}")
     print(f"{'side':<34}{'min ms':>12}{'median ms':>12}")
     for name, t in timings.items():
         print(f"{name:<34}{t['min_s'] * 1e3:>12.2f}{t['median_s'] * 1e3:>12.2f}")
@@ -87,7 +187,7 @@ def report(
         "timings": dict(timings),
         **{name: value for name, (value, _) in ratios.items()},
         "targets": {name: target for name, (_, target) in ratios.items()},
-        "environment": environment(),
+        "environment": environment(dtype),
         **(dict(extra) if extra else {}),
     }
     if json_path is not None:

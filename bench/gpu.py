@@ -1,8 +1,9 @@
 """The GPU paths on one CUDA device: multi-adapter sampling and training, SmolLM2-135M shape.
 
-The base is SmolLM2-135M's architecture in bf16 with random weights: throughput does not
-depend on the values, and a GPU machine here has no copy of the real ones. Adapters are rank
-16 on attention + MLP with random non-zero B, as in bench/sample.py.
+The base is SmolLM2-135M's architecture with random weights, in `--dtype` (default auto: bf16
+on a CUDA device with native bf16, else fp32): throughput does not depend on the values, and a
+GPU machine here has no copy of the real ones. Adapters are rank 16 on attention + MLP with
+random non-zero B, as in bench/sample.py.
 
 Sides, interleaved (A B A B ...), each reported by its minimum:
 - sample mixed:        ADAPTERS adapters mixed in one continuous batch (kernel `auto`);
@@ -28,17 +29,19 @@ from pathlib import Path
 import torch
 
 from bench.common import (
-    environment,
+    add_dtype_option,
+    bench_dtype,
     interleaved,
     make_prompts,
     peft_generate_per_adapter,
     publish_random_adapters,
     report,
+    torch_dtype,
 )
+from lorafleet.engines import Colocated, colocate
 from lorafleet.fsio import atomic_write_json
 from lorafleet.model.targets import resolve_tinker_targets
 from lorafleet.sample import SampleRequest, SamplingParams
-from lorafleet.sample.colocate import Colocated, colocate
 from lorafleet.train.engine import TrainItem
 from lorafleet.train.optim import AdamHParams
 
@@ -71,6 +74,7 @@ def parse_cli() -> argparse.Namespace:
         default=None,
         help="write a torch.profiler table of one mixed generate here",
     )
+    add_dtype_option(parser)
     return parser.parse_args()
 
 
@@ -84,14 +88,12 @@ def load_config(path: Path | None):
     return AutoConfig.from_pretrained(path.parent if path.name == "config.json" else path)
 
 
-def random_base(config, device: torch.device) -> torch.nn.Module:
+def random_base(config, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     with device:
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=torch.bfloat16, attn_implementation="sdpa"
-        )
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     return model.eval()
 
 
@@ -127,9 +129,11 @@ def main() -> None:
         raise SystemExit("bench.gpu needs a CUDA device (torch.cuda.is_available() is False)")
     on_gpu = device.type == "cuda"
     name = torch.cuda.get_device_name(device) if on_gpu else "cpu"
+    choice = bench_dtype(args.dtype, device)
+    dtype = torch_dtype(choice)
     config = load_config(args.config)
-    model = random_base(config, device)
-    peft_base = random_base(config, device)
+    model = random_base(config, device, dtype)
+    peft_base = random_base(config, device, dtype)
     peft_base.load_state_dict(model.state_dict())
     count = ADAPTERS * args.seqs_per_adapter
     stack, keys, slots = build_stack(model, args.rank, max_rows=count)
@@ -247,7 +251,7 @@ def main() -> None:
         if name != "mixed"
     }
     result = report(
-        f"gpu: {PRESET} architecture, random bf16 weights, {name}; "
+        f"gpu: {PRESET} architecture, random {choice.dtype} weights, {name}; "
         f"sample {count} seqs x {args.new_tokens} tokens, rank {args.rank}; train {train_tokens} tokens",
         timings,
         ratios,
@@ -262,10 +266,10 @@ def main() -> None:
             "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if on_gpu else None,
             "device": name,
             "peft": peft_info,
-            "environment": {**environment(), "cuda": torch.version.cuda},
             "config": vars(args)
             | {"json": str(args.json), "config": str(args.config), "profile": str(args.profile)},
         },
+        dtype=choice,
     )
     print("greedy token agreement with the mixed side:", {k: round(v, 3) for k, v in agree.items()})
     if args.profile is not None:

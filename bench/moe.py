@@ -5,7 +5,8 @@
 unembedding) divided by the same batch all on 1 adapter (target <= 1.15). Same tokens, same
 router choices, same base GEMMs; the mixed side runs 4x as many LoRA groups (expert x adapter)
 and copies 4 adapters' expert banks into expert-major order. The model is the tiny-qwen3-moe
-preset scaled up (random weights): hidden 512, 8 experts, top-2.
+preset scaled up (random weights): hidden 512, 8 experts, top-2. Base dtype `--dtype` (default
+auto: bf16 only where the CPU multiplies it natively).
 
 Both wall-clock and process CPU time are reported per side (min and median, sides interleaved).
 On a shared machine run with `--threads 1`: the CPU-time ratio then does not see the time this
@@ -21,7 +22,7 @@ import time
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from bench.common import interleaved, parse_args, report
+from bench.common import bench_dtype, interleaved, parse_args, report, torch_dtype
 from lorafleet.model.adapted import AdaptedModel
 from lorafleet.model.banks import AdapterSpec
 from lorafleet.model.targets import resolve_tinker_targets
@@ -59,7 +60,6 @@ def main() -> None:
         rows=(int, 8, "sequences per batch (split evenly over the adapters on the mixed side)"),
         seq_len=(int, 128, "tokens per sequence"),
         rank=(int, 16, "LoRA rank"),
-        dtype=(str, "bfloat16", "base model dtype: bfloat16 or float32"),
         threads=(
             int,
             0,
@@ -68,7 +68,8 @@ def main() -> None:
     )
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    choice = bench_dtype(args.dtype)
+    dtype = torch_dtype(choice)
     torch.manual_seed(0)
     model = (
         Qwen3MoeForCausalLM(scaled_moe_config(args.hidden, args.experts, args.layers))
@@ -137,7 +138,7 @@ def main() -> None:
     experts_targets = sum(".experts." in t for t in targets)
     report(
         f"MoE expert LoRA: {ADAPTERS} adapters mixed vs 1 ({args.layers} layers, hidden {args.hidden}, "
-        f"{args.experts} experts top-2, {args.dtype}, {args.rows}x{args.seq_len} tokens, rank {args.rank})",
+        f"{args.experts} experts top-2, {choice.dtype}, {args.rows}x{args.seq_len} tokens, rank {args.rank})",
         timings,
         {
             "mixed_over_single": (a["min_s"] / b["min_s"], "<= 1.15"),
@@ -156,14 +157,15 @@ def main() -> None:
                     "rows",
                     "seq_len",
                     "rank",
-                    "dtype",
                     "threads",
                 )
-            },
+            }
+            | {"dtype": choice.dtype},
             "adapted_layers": len(targets),
             "expert_projections": experts_targets,
             "tokens": args.rows * args.seq_len,
         },
+        dtype=choice,
     )
 
 

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import environment
+from bench.common import environment, fixed_dtype
 
 REQUIRED = (
     "lost_requests",
@@ -65,6 +65,27 @@ def _log(message: str) -> None:
     print(message, flush=True)
 
 
+def _environment() -> dict[str, Any]:
+    """The battery picks no dtype of its own: its in-process servers take EngineConfig's
+    default and the crash part's `lorafleet serve` its `--dtype` default. Both are recorded,
+    so the JSON says where it ran like every other bench's."""
+    import dataclasses
+
+    from lorafleet.hardware import resolve_dtype
+    from lorafleet.server.executor import EngineConfig
+
+    engine = next(f.default for f in dataclasses.fields(EngineConfig) if f.name == "dtype")
+    served = resolve_dtype("auto")
+    in_process = resolve_dtype(str(engine))
+    return environment(
+        fixed_dtype(
+            in_process.dtype,
+            f"not a speed benchmark: in-process servers use EngineConfig's default {engine!r}; "
+            f"the crash part's `lorafleet serve` --dtype auto runs {served.dtype} ({served.reason})",
+        )
+    )
+
+
 def main() -> int:
     args = _args()
     # a SIGTERM unwinds like an exception, so the crash part stops its server subprocess
@@ -76,7 +97,7 @@ def main() -> int:
     out: dict[str, Any] = {
         "benchmark": "reliability",
         "model": "tiny-qwen3",
-        "environment": environment(),
+        "environment": _environment(),
     }
     rows: list[tuple[str, str, str]] = []
     began = time.perf_counter()

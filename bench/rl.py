@@ -5,7 +5,8 @@ per tenant: snapshot the adapter for sampling, 8 prompts x 4 samples, score, for
 and optim_step). The TRL side is `GRPOTrainer` with a PEFT LoRA (`use_vllm=False`) in its own
 venv, run by bench/trl_grpo.py as a long-lived subprocess (model loading stays out of the
 timings) and timed per optimizer step by a TrainerCallback. Both sides run the same model; base
-dtype (`--dtype`, default the main job's: bf16 today, LoRA weights fp32 on both sides); task
+dtype (`--dtype`, default the main job's `auto`, resolved once here and given to both sides as
+the same concrete dtype; LoRA weights fp32 on both sides); task
 (built-in `arithmetic`, prompts rendered by our side, rewards from our scorer); group size,
 prompts per step and max tokens; LoRA rank, alpha and target layers (attention + MLP, read back
 from our adapter's PEFT config; not the unembedding, which TRL cannot train through a LoRA);
@@ -53,7 +54,7 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
-from bench.common import report
+from bench.common import add_dtype_option, bench_dtype, report
 from lorafleet.rl.connect import Backend, load_tokenizer, start_backend
 from lorafleet.rl.envs import make_env
 from lorafleet.rl.loop import RLConfig, TenantConfig, TenantRunner, render_prompt
@@ -156,7 +157,7 @@ class EngineClock:
     ENTRY_POINTS = ("run_train", "run_optim", "run_sample", "start_sample", "step_sampler")
 
     def __init__(self, backend: Backend):
-        executor = backend.server.service.scheduler.executor  # type: ignore[union-attr]
+        executor = backend.server.service.executor  # type: ignore[union-attr]
         self.batches: list[tuple[str, int, float]] = []
         for name in self.ENTRY_POINTS:
             if hasattr(executor, name):
@@ -285,7 +286,7 @@ def trl_spec(
             {
                 "question": p.question,
                 "answer": p.answer,
-                "prompt_ids": render_prompt(tokenizer, p.question),
+                "prompt_ids": render_prompt(tokenizer, p.question, tenant.system_prompt),
             }
             for p in problems
         ],
@@ -326,12 +327,7 @@ def main() -> None:
         default=None,
         help="torch threads on both sides (default: torch's)",
     )
-    parser.add_argument(
-        "--dtype",
-        default=DEFAULT_DTYPE,
-        choices=("float32", "bfloat16"),
-        help="base weights on both sides (LoRA weights stay fp32 on both); default: the main job's",
-    )
+    add_dtype_option(parser, default=DEFAULT_DTYPE)
     parser.add_argument("--trl-venv", type=Path, default=DEFAULT_TRL_VENV)
     parser.add_argument(
         "--setup-trl", action="store_true", help="create --trl-venv first (scripts/setup_trl.sh)"
@@ -340,6 +336,9 @@ def main() -> None:
     parser.add_argument("--trl-steps-per-round", type=int, default=1, help="TRL steps per round")
     parser.add_argument("--no-tenants4", action="store_true", help="skip the 4-tenant side")
     args = parser.parse_args()
+    # Resolved here, once: our server and TRL's process both get this concrete dtype.
+    choice = bench_dtype(args.dtype)
+    dtype = choice.dtype
     if args.setup_trl:
         setup_trl(args.trl_venv)
     trl_python = args.trl_venv / "bin" / "python"
@@ -366,13 +365,13 @@ def main() -> None:
             run_dir=run_dir,
             keys=keys,
             base_url=None,
-            dtype=args.dtype,
+            dtype=dtype,
             max_adapters=5,
             max_rank=RANK,  # as `lorafleet rl` sizes its banks: the tenants' largest rank
             max_sample_rows=128,
             torch_threads=args.torch_threads,
         )
-        config = RLConfig(args.base_model, run_dir, tenants, progress=False, dtype=args.dtype)
+        config = RLConfig(args.base_model, run_dir, tenants, progress=False, dtype=dtype)
         stop = threading.Event()
         runners = [
             TenantRunner(t, config, backend, k, Progress(False), stop)
@@ -449,7 +448,7 @@ def main() -> None:
                     tenants[0],
                     args.torch_threads,
                     max(steps_needed, 16),
-                    args.dtype,
+                    dtype,
                 )
                 trl = TrlSide(trl_python, spec, run_dir)
                 ours = sorted(adapter_config["target_modules"])
@@ -459,6 +458,9 @@ def main() -> None:
                     )
                 if not trl.info["prompt_ids_match"]:
                     raise RuntimeError("TRL renders the prompts to other token ids than our side")
+                trl_base = trl.info["param_dtypes"]["base"]
+                if trl_base != [f"torch.{dtype}"]:
+                    raise RuntimeError(f"TRL's base weights are {trl_base}, ours torch.{dtype}")
                 trl.steps(args.trl_warmup)
                 one(None)
                 for _ in range(args.repeats):
@@ -542,7 +544,7 @@ def main() -> None:
         "median generated tokens per step: " + ", ".join(f"{n}: {t:.0f}" for n, t in tokens.items())
     )
     report(
-        f"RL steps, {args.base_model} ({args.dtype} base), 8 prompts x 4 samples x <= {args.max_tokens} tokens per tenant-step, LoRA rank {RANK}",
+        f"RL steps, {args.base_model} ({dtype} base), 8 prompts x 4 samples x <= {args.max_tokens} tokens per tenant-step, LoRA rank {RANK}",
         timings,
         ratios,
         args.json,
@@ -550,7 +552,7 @@ def main() -> None:
             "max_tokens": args.max_tokens,
             "prompts_per_step": PROMPTS,
             "group_size": GROUP,
-            "dtype": args.dtype,
+            "dtype": dtype,
             "learning_rate": tenants[0].learning_rate,
             "lora": {k: adapter_config[k] for k in ("r", "lora_alpha")}
             | {"target_layers": len(adapter_config["target_modules"])},
@@ -577,6 +579,7 @@ def main() -> None:
                 "trl": None if trl is None else trl.max_rss_mib,
             },
         },
+        dtype=choice,
     )
 
 

@@ -1,4 +1,4 @@
-"""Sampling throughput on SmolLM2-135M (bf16): 8 adapters mixed vs base only vs PEFT vs vLLM.
+"""Sampling throughput on SmolLM2-135M: 8 adapters mixed vs base only vs PEFT vs vLLM.
 
 Every side generates the same number of tokens for the same prompts (greedy, no early stop):
 - mixed:            our SampleEngine, ADAPTERS x seqs_per_adapter sequences, adapters mixed in
@@ -17,7 +17,10 @@ Every side generates the same number of tokens for the same prompts (greedy, no 
 Ratios: mixed_over_base = tok/s mixed / tok/s base (target >= 0.85),
 speedup_vs_peft_generate = tok/s mixed / tok/s PEFT (target >= 3) and
 speedup_vs_vllm_cpu = tok/s mixed / tok/s vLLM (target >= 2.0). The adapters target attention
-+ MLP (not the unembedding) on all sides, rank 16, random non-zero B.
++ MLP (not the unembedding) on all sides, rank 16, random non-zero B. Every side loads the base
+in the same dtype, `--dtype` (default auto: bf16 only where the CPU multiplies it natively).
+The table and the JSON name the native kernel path that ran (`native_path`, e.g. avx2+serial):
+the mixed side's speed depends on it.
 
 vLLM's prefix cache is off (our engine has none, and every timed run repeats the prompts, so
 it would skip vLLM's prefill from the second run on). Its worker gets as many OpenMP threads as
@@ -47,19 +50,21 @@ from pathlib import Path
 import torch
 
 from bench.common import (
+    add_dtype_option,
+    bench_dtype,
     interleaved,
     make_prompts,
     peft_generate_per_adapter,
     publish_random_adapters,
     report,
 )
+from lorafleet.engines import Colocated, colocate
 from lorafleet.fsio import atomic_write_json
 from lorafleet.model import native
 from lorafleet.model.loader import load_base
 from lorafleet.model.presets import materialize
 from lorafleet.model.targets import resolve_tinker_targets
 from lorafleet.sample import SampleRequest, SamplingParams
-from lorafleet.sample.colocate import Colocated, colocate
 from lorafleet.sync.httpclient import JsonClient
 from lorafleet.sync.vllm_server import (
     VllmServer,
@@ -103,11 +108,12 @@ def parse_cli() -> argparse.Namespace:
         help="'match' (as many vLLM OpenMP threads as our torch threads), 'auto' (vLLM's "
         "default), or a VLLM_CPU_OMP_THREADS_BIND value such as 0-1",
     )
+    add_dtype_option(parser)
     return parser.parse_args()
 
 
-def build_ours(rank: int, max_rows: int) -> tuple[Colocated, list]:
-    base = load_base(PRESET, dtype="bfloat16")
+def build_ours(rank: int, max_rows: int, dtype: str) -> tuple[Colocated, list]:
+    base = load_base(PRESET, dtype=dtype)
     paths = resolve_tinker_targets(base.model, train_unembed=False)
     stack = colocate(
         base.model,
@@ -130,10 +136,10 @@ def export_adapters(stack: Colocated, workdir: Path) -> list[Path]:
     ]
 
 
-def build_peft(adapter_dirs: list[Path]):
+def build_peft(adapter_dirs: list[Path], dtype: str):
     from peft import PeftModel
 
-    base = load_base(PRESET, dtype="bfloat16")
+    base = load_base(PRESET, dtype=dtype)
     model = PeftModel.from_pretrained(base.model, adapter_dirs[0], adapter_name="a0")
     for i, path in enumerate(adapter_dirs[1:], start=1):
         model.load_adapter(path, adapter_name=f"a{i}")
@@ -171,7 +177,7 @@ def vllm_omp_env(bind: str, threads: int) -> dict[str, str]:
 
 def agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict[str, float]:
     """Greedy agreement: whole sequences identical, and tokens identical position by position
-    (bf16 kernels differ, so sequences drift apart after the first near-tie)."""
+    (kernels round differently, bf16 most, so sequences drift apart after the first near-tie)."""
     same_seq = sum(a == b for a, b in zip(ours, theirs, strict=True))
     positions = sum(len(a) for a in ours)
     same_tok = sum(
@@ -298,7 +304,10 @@ def main() -> None:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
-    stack, keys = build_ours(args.rank, max_rows=ADAPTERS * args.seqs_per_adapter)
+    choice = bench_dtype(args.dtype)
+    native_path = native.path_name()
+    print(f"native kernel path: {native_path}", flush=True)
+    stack, keys = build_ours(args.rank, ADAPTERS * args.seqs_per_adapter, choice.dtype)
     vocab = stack.sampler.limits.vocab_size
     count = ADAPTERS * args.seqs_per_adapter
     prompts = make_prompts(count, args.prompt_len, vocab)
@@ -327,7 +336,7 @@ def main() -> None:
 
     workdir = Path(tempfile.mkdtemp(prefix="lorafleet-bench-sample-"))
     adapter_dirs = export_adapters(stack, workdir)
-    peft_model, tokenizer = build_peft(adapter_dirs)
+    peft_model, tokenizer = build_peft(adapter_dirs, choice.dtype)
     pad_id = (
         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     )
@@ -354,7 +363,7 @@ def main() -> None:
             omp_env = vllm_omp_env(args.vllm_omp_bind, threads)
             server = start_vllm_server(
                 materialize(PRESET),
-                dtype="bfloat16",
+                dtype=choice.dtype,
                 max_loras=ADAPTERS,
                 max_lora_rank=args.rank,
                 max_model_len=1024,
@@ -409,6 +418,7 @@ def main() -> None:
     extra: dict[str, object] = {
         "greedy_agreement_with_peft": peft_agree["sequences"],
         "native_speedup": t_torch_kernels / t_mixed,
+        "native_path": native_path,
         "lora_kernels": native.status(),
         "mixed_over_base_torch_kernels": t_base / t_torch_kernels,
     }
@@ -444,7 +454,8 @@ def main() -> None:
         outputs["mixed"], outputs["mixed_torch"]
     )["tokens"]
     result = report(
-        f"sample: {PRESET} bf16, {count} seqs x {args.new_tokens} new tokens, rank {args.rank}",
+        f"sample: {PRESET} {choice.dtype}, {count} seqs x {args.new_tokens} new tokens, "
+        f"rank {args.rank}, native kernel path {native_path}",
         timings,
         ratios,
         None,
@@ -461,12 +472,14 @@ def main() -> None:
                 "new_tokens": args.new_tokens,
                 "prompt_len": args.prompt_len,
                 "rank": args.rank,
+                "dtype": choice.dtype,
                 "targets": "attn+mlp",
                 "threads": threads,
                 "repeats": args.repeats,
             },
             "vllm": vllm_info,
         },
+        dtype=choice,
     )
     if vllm_side is None:
         print(f"{'speedup_vs_vllm_cpu':<34}{'null':>12}  {VLLM_TARGET} (skipped: --no-vllm)")
@@ -487,7 +500,8 @@ def main() -> None:
             f"{ADAPTERS} adapters loaded in {vllm_side.load_s:.2f} s (not in the ratio)"
         )
     print(
-        f"{native.status()}; native_speedup {extra['native_speedup']:.3f} (mixed, torch kernels / mixed)"
+        f"native kernel path {native_path}: {native.status()}; native_speedup "
+        f"{extra['native_speedup']:.3f} (mixed, torch kernels / mixed)"
     )
     print(f"load average (1/5/15 min) before {load_before}, after {load_after}")
     if args.json is not None:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import interleaved, parse_args, report
+from bench.common import fixed_dtype, interleaved, parse_args, report
 
 PRESET = "smollm2-135m"
 RANK = 16
@@ -222,7 +222,8 @@ def bench_ray(args, targets) -> dict:
     import ray
 
     from lorafleet.distributed.protocol import RankSettings
-    from lorafleet.distributed.ray_workers import RayRanks, RaySamplerPool, SamplerSettings
+    from lorafleet.distributed.ray_samplers import RaySamplerPool, SamplerSettings
+    from lorafleet.distributed.ray_trainer import RayRanks
     from lorafleet.distributed.remote import DistTrainEngine
     from lorafleet.model.banks import AdapterSpec
 
@@ -268,15 +269,15 @@ def bench_ray(args, targets) -> dict:
             _train(trainer, slots, args.seq_len, step)
             step_s = time.perf_counter() - start
             start = time.perf_counter()
-            keys = [pool.publish(f"adapter-{slot}", trainer.bank, slot) for slot in slots]
+            keys = [pool.versions.publish(f"adapter-{slot}", trainer.bank, slot) for slot in slots]
             sync_s = time.perf_counter() - start
             start = time.perf_counter()
             for key, slot in zip(keys, slots, strict=True):
-                pool.verify_everywhere(key, slot)
+                pool.versions.verify_everywhere(key, slot)
             verify_s = time.perf_counter() - start
             for key in keys:
                 if key[1] > 0:
-                    pool.drop((key[0], key[1] - 1))
+                    pool.versions.drop((key[0], key[1] - 1))
             if step:
                 steps.append(step_s)
                 syncs.append(sync_s)
@@ -322,6 +323,7 @@ def bench_ray(args, targets) -> dict:
 def main() -> None:
     args = parse_args(
         __doc__,
+        with_dtype=False,
         part=(str, "all", "gather, ray or all"),
         adapters=(int, 4, "adapters stepped (and synced) per training step, Ray part"),
         seq_len=(int, 128, "tokens per sequence (2 sequences per adapter), Ray part"),
@@ -337,6 +339,9 @@ def main() -> None:
         rank_gather_worker(args)
         return
     torch.set_num_threads(1)
+    choice = fixed_dtype(
+        "float32", "fixed: the gloo gathers and Ray syncs move fp32 adapter and optimizer state"
+    )
     targets = _targets()
     timings: dict[str, dict[str, float]] = {}
     ratios: dict[str, tuple[float, str]] = {}
@@ -373,6 +378,7 @@ def main() -> None:
         ratios,
         Path(args.json) if args.json else None,
         extra,
+        dtype=choice,
     )
 
 

@@ -16,6 +16,10 @@ unembedding; alpha 32 on both sides), TENANTS adapters:
               forward_backward + optim_step + sample; `time_over_skyrl_tx` = our time ÷ theirs
               (target <= 0.5).
 
+Base dtype `--dtype` (default auto: bf16 only where the CPU multiplies it natively), resolved
+here once and given to both servers: `lorafleet serve --dtype`, and skyrl-tx through the
+`dtype` of the config.json it loads (it builds its model in that dtype).
+
     HF_HUB_OFFLINE=1 .venv/bin/python -m bench.server --json bench/results/server.json
 
 `--skyrl-venv DIR` must hold skyrl-tx; `--setup-skyrl` creates it (PEERS.md recipe); without
@@ -179,9 +183,10 @@ def _uv_shim(directory: Path, python: Path) -> None:
     shim.chmod(0o700)
 
 
-def _skyrl_model_dir(model_dir: Path, dest: Path) -> Path:
+def _skyrl_model_dir(model_dir: Path, dest: Path, dtype: str) -> Path:
     """skyrl-tx 0.3.0 reads `rope_theta` from the top level of config.json, where transformers 5
-    no longer writes it (it moved into `rope_parameters`): same weights, config with both."""
+    no longer writes it (it moved into `rope_parameters`): same weights, config with both. It
+    also builds its model in config.json's dtype, so that is set to the dtype our side runs."""
     dest.mkdir()
     for item in model_dir.iterdir():
         if item.name != "config.json":
@@ -190,6 +195,7 @@ def _skyrl_model_dir(model_dir: Path, dest: Path) -> Path:
     config.setdefault(
         "rope_theta", (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
     )
+    config["dtype"] = config["torch_dtype"] = dtype
     (dest / "config.json").write_text(json.dumps(config, indent=2))
     return dest
 
@@ -257,7 +263,7 @@ class Side:
 
 def driver_main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from bench.common import report
+    from bench.common import add_dtype_option, bench_dtype, report
     from lorafleet.model.presets import materialize
     from lorafleet.server.main import free_port
 
@@ -274,7 +280,9 @@ def driver_main() -> None:
         default=1,
         help="lorafleet engine threads (1 is fastest for tiny models on shared CPUs)",
     )
+    add_dtype_option(parser)
     args = parser.parse_args()
+    choice = bench_dtype(args.dtype)
 
     model_dir = str(materialize("tiny-qwen3"))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "LORAFLEET_API_KEYS": KEY}
@@ -302,6 +310,8 @@ def driver_main() -> None:
                         str(RANK),
                         "--torch-threads",
                         str(args.torch_threads),
+                        "--dtype",
+                        choice.dtype,
                     ],
                     sys.executable,
                     env,
@@ -315,7 +325,9 @@ def driver_main() -> None:
                 shim_dir = Path(tmp) / "shim"
                 shim_dir.mkdir()
                 _uv_shim(shim_dir, skyrl_python)
-                sky_model = str(_skyrl_model_dir(Path(model_dir), Path(tmp) / "skyrl-model"))
+                sky_model = str(
+                    _skyrl_model_dir(Path(model_dir), Path(tmp) / "skyrl-model", choice.dtype)
+                )
                 port = free_port()
                 sky_env = {
                     **env,
@@ -396,11 +408,12 @@ def driver_main() -> None:
             ">= 1 (lorafleet faster)",
         )
     report(
-        f"Tinker API servers, tiny-qwen3, {TENANTS} tenants, rank {RANK}: fwd+bwd {ROWS}x{TOKENS}, sample {SAMPLES}x{NEW_TOKENS}",
+        f"Tinker API servers, tiny-qwen3 {choice.dtype}, {TENANTS} tenants, rank {RANK}: fwd+bwd {ROWS}x{TOKENS}, sample {SAMPLES}x{NEW_TOKENS}",
         timings,
         ratios,
         args.json,
         extra={"sampled_tokens_per_round": tokens, "tenants": TENANTS},
+        dtype=choice,
     )
 
 

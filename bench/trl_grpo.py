@@ -153,6 +153,10 @@ def main() -> None:
                 rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
                 send({"steps": self.chunk, "max_rss_mib": rss})
 
+    # bench/rl.py resolves `auto` before writing the spec: this side must load exactly the
+    # dtype our side runs, never decide on its own.
+    if spec["dtype"] not in ("float32", "bfloat16"):
+        raise ValueError(f"spec dtype must be float32 or bfloat16, got {spec['dtype']!r}")
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
     model = AutoModelForCausalLM.from_pretrained(
         spec["model_dir"], dtype=getattr(torch, spec["dtype"])

@@ -9,10 +9,15 @@ functions so that `lorafleet --help` and `lorafleet models list` stay instant.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from lorafleet.model.presets import PRESETS, PresetUnavailableError
+
+if TYPE_CHECKING:
+    from lorafleet.distributed.placement import DistConfig
 
 # Raised for bad input or missing optional installs: print one line, exit 2, no traceback.
 USER_ERRORS: tuple[type[BaseException], ...] = (
@@ -56,6 +61,39 @@ def _register_models(subparsers: argparse._SubParsersAction) -> None:
     path_parser.set_defaults(func=_cmd_models_path)
 
 
+# --------------------------------------------------------------------------- dtype
+
+DTYPE_NAMES = ("auto", "float32", "fp32", "bfloat16", "bf16")
+
+
+def _dtype_value(value: str) -> str:
+    name = value.strip().lower()
+    if name not in DTYPE_NAMES:
+        raise argparse.ArgumentTypeError(
+            f"--dtype {value!r} is not one of: {', '.join(DTYPE_NAMES)}"
+        )
+    return name
+
+
+def _add_dtype_option(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--dtype",
+        type=_dtype_value,
+        default="auto",
+        help=f"{what}: auto (bf16 where the hardware multiplies bf16 natively, else fp32), "
+        "float32 or bfloat16",
+    )
+
+
+def _resolve_dtype(value: str) -> str:
+    """`auto` becomes the machine's choice, printed with its reason (an explicit value wins)."""
+    from lorafleet.hardware import resolve_dtype
+
+    choice = resolve_dtype(value)
+    print(f"lorafleet: dtype {choice.dtype} ({choice.reason})", file=sys.stderr)
+    return choice.dtype
+
+
 # --------------------------------------------------------------------------- demo
 
 
@@ -64,14 +102,16 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     from lorafleet.demo import run_demo
 
-    run_demo(args.base_model, dtype=args.dtype, steps=args.steps, out_dir=Path(args.out))
+    run_demo(
+        args.base_model, dtype=_resolve_dtype(args.dtype), steps=args.steps, out_dir=Path(args.out)
+    )
     return 0
 
 
 def _register_demo(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("demo", help="four adapters train in shared mixed batches")
     parser.add_argument("--base-model", default="smollm2-135m", help="preset name or local HF dir")
-    parser.add_argument("--dtype", default="bfloat16", help="float32 or bfloat16")
+    _add_dtype_option(parser, "base model dtype")
     parser.add_argument("--steps", type=int, default=8, help="training steps")
     parser.add_argument("--out", default="runs/demo", help="where the PEFT adapters are written")
     parser.set_defaults(func=_cmd_demo)
@@ -84,8 +124,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     import logging
     from pathlib import Path
 
+    from lorafleet.engines import EngineConfig
     from lorafleet.server.auth import load_keys
-    from lorafleet.server.executor import EngineConfig
     from lorafleet.server.main import serve
     from lorafleet.server.service import ServerConfig
 
@@ -94,7 +134,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     )
     engine = EngineConfig(
         base_model=args.base_model,
-        dtype=args.dtype,
+        dtype=_resolve_dtype(args.dtype),
         max_adapters=args.max_adapters,
         sampler_slots=args.sampler_slots,
         max_lora_rank=args.max_lora_rank,
@@ -115,13 +155,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _dist_config(args: argparse.Namespace):
+def _dist_config(args: argparse.Namespace) -> DistConfig | None:
     """Placement flags -> DistConfig; None keeps the single-process engine."""
     if args.trainer_ranks == 1 and args.ray is None:
         if args.sampler_replicas != 1:
             raise SystemExit("--sampler-replicas needs --ray")
         return None
-    from lorafleet.distributed.stack import DistConfig
+    from lorafleet.distributed.placement import DistConfig
 
     config = DistConfig(
         trainer_ranks=args.trainer_ranks,
@@ -154,7 +194,7 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="file with one tml-... key per line (adds to $LORAFLEET_API_KEYS)",
     )
-    parser.add_argument("--dtype", default="float32", help="float32 or bfloat16")
+    _add_dtype_option(parser, "base model dtype")
     parser.add_argument(
         "--max-adapters", type=int, default=8, help="training adapters held at once"
     )
@@ -232,6 +272,7 @@ def _cmd_rl(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens,
             temperature=args.temperature,
             seed=args.seed + i,
+            system_prompt=None if args.template_system_prompt else args.system_prompt,
         )
         for i in range(n)
     ]
@@ -253,6 +294,8 @@ def _cmd_rl(args: argparse.Namespace) -> int:
 
 
 def _register_rl(subparsers: argparse._SubParsersAction) -> None:
+    from lorafleet.rl.envs import DEFAULT_SYSTEM_PROMPT
+
     parser = subparsers.add_parser(
         "rl", help="GRPO-style RL for several tenants at once over the Tinker API"
     )
@@ -284,6 +327,16 @@ def _register_rl(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--max-tokens", type=int, default=20)
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument(
+        "--system-prompt",
+        default=DEFAULT_SYSTEM_PROMPT,
+        help="every prompt's system turn (default: %(default)r)",
+    )
+    parser.add_argument(
+        "--template-system-prompt",
+        action="store_true",
+        help="no system turn of ours: the chat template's own default (longer for SmolLM2)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="tenant i uses seed+i")
     parser.add_argument(
         "--save-every", type=int, default=5, help="save_state + sampler export every N steps"
@@ -300,9 +353,7 @@ def _register_rl(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--api-key", action="append", help="tml-... key per tenant for --base-url (repeat)"
     )
-    parser.add_argument(
-        "--dtype", default="bfloat16", help="embedded server dtype: bfloat16 or float32"
-    )
+    _add_dtype_option(parser, "embedded server's base model dtype")
     parser.add_argument("--torch-threads", type=int, default=None)
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (logs, CI)")
     parser.set_defaults(func=_cmd_rl)
@@ -358,9 +409,7 @@ def _register_sft(subparsers: argparse._SubParsersAction) -> None:
         "--base-url", default=None, help="a remote lorafleet/Tinker server (default: embedded)"
     )
     parser.add_argument("--api-key", default=None, help="tml-... key for --base-url")
-    parser.add_argument(
-        "--dtype", default="bfloat16", help="embedded server dtype: bfloat16 or float32"
-    )
+    _add_dtype_option(parser, "embedded server's base model dtype")
     parser.add_argument("--no-progress", action="store_true")
     parser.set_defaults(func=_cmd_sft)
 
@@ -386,7 +435,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# How long an idle OpenMP thread spins before it sleeps (libgomp reads it once, when torch
+# loads it). libgomp's default spins long; when another process holds one of few cores, each
+# parallel region then waits for a thread that is descheduled, and steps ran many times slower
+# (measured in docs/performance.md). A thread that sleeps sooner is woken promptly instead,
+# at no measurable cost on a quiet machine. A value the user set wins.
+OPENMP_SPIN_COUNT = "10000"
+
+
+def tame_openmp_spinning() -> None:
+    """Sets GOMP_SPINCOUNT unless set; only effective before torch is first imported."""
+    if "torch" not in sys.modules:
+        os.environ.setdefault("GOMP_SPINCOUNT", OPENMP_SPIN_COUNT)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    tame_openmp_spinning()
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -38,7 +39,7 @@ TENANTS = (
 )
 
 
-def _chat_item(tokenizer, tenant: DemoTenant, slot: int) -> TrainItem:
+def _chat_item(tokenizer: Any, tenant: DemoTenant, slot: int) -> TrainItem:
     """One SFT datum: loss on the assistant answer only (weights 0 on the prompt)."""
     messages = [{"role": "user", "content": tenant.prompt}]
     prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)

@@ -43,7 +43,7 @@ _NAME_MAX = 128
 PathLike = str | os.PathLike[str]
 
 
-def safe_name(name: str, field: str) -> str:
+def safe_name(name: object, field: str) -> str:
     """Returns `name` if it can be used as a single path component, else raises ValueError.
 
     User-supplied names (adapter ids, run names) end up in paths; one that contains a

@@ -13,11 +13,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent / "lorafleet"
 
 
-def _package_of(module: str) -> str:
-    parts = module.split(".")
-    return parts[1] if len(parts) > 2 else (parts[1] if len(parts) == 2 else parts[0])
-
-
 def _module_name(path: Path) -> str:
     rel = path.relative_to(ROOT.parent).with_suffix("")
     parts = list(rel.parts)
@@ -26,19 +21,54 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
+def _type_only_lines(tree: ast.AST) -> set[int]:
+    """Lines inside `if TYPE_CHECKING:` bodies (their imports are marked type-only)."""
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        test = node.test if isinstance(node, ast.If) else None
+        if (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+            isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+        ):
+            for stmt in node.body:
+                lines.update(n.lineno for n in ast.walk(stmt) if hasattr(n, "lineno"))
+    return lines
+
+
+def _targets(node: ast.AST, module: str, is_package: bool) -> list[str]:
+    """The lorafleet layers (sub-package or top-level module) one import statement reaches."""
+    if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+    elif isinstance(node, ast.ImportFrom):
+        if node.level:
+            base = module.split(".")
+            if not is_package:
+                base = base[:-1]
+            base = base[: len(base) - (node.level - 1)]
+            source = ".".join(base + ([node.module] if node.module else []))
+        else:
+            source = node.module or ""
+        if source == "lorafleet":  # `from lorafleet import canary`
+            names = [f"lorafleet.{alias.name}" for alias in node.names]
+        else:
+            names = [source]
+    else:
+        return []
+    return [name.split(".")[1] for name in names if name.startswith("lorafleet.")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--top", type=int, default=10)
     args = parser.parse_args()
     functions: list[tuple[int, str]] = []
     classes: list[tuple[int, str]] = []
-    edges: set[tuple[str, str]] = set()
+    # (importer, imported) -> True while every import along it is type-only
+    edges: dict[tuple[str, str], bool] = {}
     for path in sorted(ROOT.rglob("*.py")):
         module = _module_name(path)
         tree = ast.parse(path.read_text())
-        src_pkg = _package_of(module) if "." in module else "lorafleet"
-        if module.count(".") == 1 and path.name != "__init__.py":
-            src_pkg = module.split(".")[1]  # a top-level module is its own node
+        type_only = _type_only_lines(tree)
+        src_pkg = module.split(".")[1] if "." in module else "lorafleet"
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 n = (node.end_lineno or node.lineno) - node.lineno + 1
@@ -46,32 +76,19 @@ def main() -> None:
             elif isinstance(node, ast.ClassDef):
                 n = (node.end_lineno or node.lineno) - node.lineno + 1
                 classes.append((n, f"{module}.{node.name} (line {node.lineno})"))
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                target = node.module
-                if target.startswith("lorafleet."):
-                    edges.add((src_pkg, target.split(".")[1]))
-            elif isinstance(node, ast.ImportFrom) and node.level:
-                base = module.split(".")
-                if path.name != "__init__.py":
-                    base = base[:-1]
-                base = base[: len(base) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-                if target.startswith("lorafleet."):
-                    edges.add((src_pkg, target.split(".")[1]))
-            elif isinstance(node, ast.Import):
-                for alias in node.names:
-                    if alias.name.startswith("lorafleet."):
-                        edges.add((src_pkg, alias.name.split(".")[1]))
+            for target in _targets(node, module, path.name == "__init__.py"):
+                key = (src_pkg, target)
+                edges[key] = edges.get(key, True) and node.lineno in type_only
     print(f"## {args.top} longest functions (lines)")
     for n, name in sorted(functions, reverse=True)[: args.top]:
         print(f"{n:5d}  {name}")
     print(f"\n## {args.top} largest classes (lines)")
     for n, name in sorted(classes, reverse=True)[: args.top]:
         print(f"{n:5d}  {name}")
-    print("\n## package import edges (importer -> imported)")
-    for a, b in sorted(edges):
+    print("\n## package import edges (importer -> imported; rules: docs/architecture.md)")
+    for (a, b), only_types in sorted(edges.items()):
         if a != b:
-            print(f"{a} -> {b}")
+            print(f"{a} -> {b}" + ("  (TYPE_CHECKING only)" if only_types else ""))
 
 
 if __name__ == "__main__":

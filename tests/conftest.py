@@ -12,6 +12,11 @@ import os
 from pathlib import Path
 
 import pytest
+
+# Before torch loads libgomp: a short spin, so a shared machine does not stall every parallel
+# region (lorafleet/cli.py, tame_openmp_spinning).
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+
 import torch
 
 os.environ["HF_HUB_OFFLINE"] = "1"

@@ -12,14 +12,15 @@ import os
 import pytest
 import torch
 
+from lorafleet.engines import Colocated, colocate
 from lorafleet.model.banks import AdapterSpec
 from lorafleet.model.kernels import lora_delta
 from lorafleet.model.routing import build_routing
 from lorafleet.model.targets import resolve_tinker_targets
-from lorafleet.sample import SampleRequest, SamplingParams, publish_verified
-from lorafleet.sample.colocate import Colocated, colocate
+from lorafleet.sample import SampleRequest, SamplingParams
 from lorafleet.train.engine import TrainItem
 from lorafleet.train.optim import AdamHParams
+from lorafleet.verification import publish_verified
 from tests._models import tiny_qwen3
 
 VOCAB = 96

@@ -10,6 +10,12 @@ A checkpoint is a directory:
 Tensors are stored per layer, never as the bank's flat row, because the row layout depends on
 the bank (r_max, which layers it wraps, their order): a checkpoint must restore into another
 process, another slot, or a bank built differently, and stay bit-exact.
+
+This module is the format as plain data (`TrainingState`: weights, moments, step,
+hyper-parameters), its atomic read/write, and the bank-level steps every user shares: a slot's
+row split into exact per-layer tensors, the checks that a state fits a bank, and a weights-only
+restore (what a sampler needs). Turning optimizer state into checkpoint data and back is the
+trainer's business (`lorafleet.train.checkpointing`), so this package knows no optimizer.
 """
 
 from __future__ import annotations
@@ -26,18 +32,23 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from lorafleet.adapters.hparams import AdamHParams
 from lorafleet.fsio import PathLike, atomic_directory, atomic_save_safetensors, atomic_write_json
 from lorafleet.model.banks import AdapterSpec, BankSet
-from lorafleet.train.optim import AdamHParams, BankAdamW
 
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
+    "MOMENTS",
     "CheckpointError",
+    "LayerTensors",
     "TrainingState",
+    "apply_weights",
+    "check_base_model",
+    "check_fits",
     "read_training_state",
-    "restore_training_state",
-    "save_training_state",
+    "restore_weights",
+    "split_row_exact",
     "write_training_state",
 ]
 
@@ -72,18 +83,7 @@ class TrainingState:
 # ---------------------------------------------------------------------------------- save
 
 
-def _check_optimizer(bank: BankSet, optimizer: BankAdamW | None) -> None:
-    if optimizer is None:
-        return
-    if optimizer.params.data_ptr() != bank.params.data_ptr() or tuple(
-        optimizer.params.shape
-    ) != tuple(bank.params.shape):
-        raise CheckpointError(
-            f"the optimizer does not manage bank {bank.name!r} (built over other params)"
-        )
-
-
-def _split_exact(
+def split_row_exact(
     bank: BankSet, row: torch.Tensor, rank: int, targets: tuple[str, ...], what: str
 ) -> LayerTensors:
     """Per-layer copies of a row, refusing rows the per-layer form would not restore exactly.
@@ -106,48 +106,6 @@ def _split_exact(
             raise CheckpointError(f"{what}: {path} contains NaN or inf; not saving it")
         out[path] = (A.clone(), B.clone())
     return out
-
-
-def save_training_state(
-    dest: PathLike,
-    *,
-    bank: BankSet,
-    slot: int,
-    optimizer: BankAdamW | None,
-    base_model_id: str,
-    hparams: AdamHParams | None,
-    metadata: dict[str, Any] | None = None,
-    overwrite: bool = False,
-) -> Path:
-    """Writes the adapter in `slot` (and its AdamW state, if `optimizer` is given) to `dest`.
-
-    A gradient accumulated but not yet stepped is not saved: checkpoints are taken between
-    optimizer steps, and a restored slot starts with no pending gradient.
-    """
-    _check_optimizer(bank, optimizer)
-    info = bank.check_slot(slot)
-    rank, targets = info.spec.rank, info.targets
-    weights = _split_exact(bank, bank.params[slot], rank, targets, f"slot {slot} weights")
-    moments: dict[str, LayerTensors] | None = None
-    step: int | None = None
-    if optimizer is not None:
-        state = optimizer.slot_state(slot)
-        step = int(state["step"])
-        moments = {
-            name: _split_exact(bank, state[name], rank, targets, f"slot {slot} optimizer {name}")
-            for name in MOMENTS
-        }
-    return write_training_state(
-        dest,
-        spec=info.spec,
-        base_model_id=base_model_id,
-        weights=weights,
-        moments=moments,
-        step=step,
-        hparams=hparams,
-        metadata=metadata,
-        overwrite=overwrite,
-    )
 
 
 def write_training_state(
@@ -389,7 +347,17 @@ def read_training_state(src: PathLike) -> TrainingState:
 # ------------------------------------------------------------------------------- restore
 
 
-def _check_fits(state: TrainingState, bank: BankSet, src: Path) -> None:
+def check_base_model(state: TrainingState, src: PathLike, base_model_id: str) -> None:
+    """A state trained on one base model is meaningless on another: refuse it by name."""
+    if state.base_model_id != base_model_id:
+        raise CheckpointError(
+            f"{src}: checkpoint was trained on base model {state.base_model_id!r}, "
+            f"but it is being restored onto {base_model_id!r}"
+        )
+
+
+def check_fits(state: TrainingState, bank: BankSet, src: PathLike) -> None:
+    """The adapter's rank, layers and layer shapes must exist in `bank`."""
     spec = state.spec
     if spec.rank > bank.r_max:
         raise CheckpointError(
@@ -411,73 +379,34 @@ def _check_fits(state: TrainingState, bank: BankSet, src: Path) -> None:
             )
 
 
-def restore_training_state(
-    src: PathLike,
-    *,
-    bank: BankSet,
-    optimizer: BankAdamW | None,
-    base_model_id: str,
-    slot: int | None = None,
-    load_optimizer: bool = True,
+def restore_weights(
+    src: PathLike, *, bank: BankSet, base_model_id: str, slot: int | None = None
 ) -> int:
-    """Allocates a slot (any free one, or `slot`) holding the checkpointed adapter; returns it.
-
-    With an optimizer, the slot's AdamW state is the saved one (or fresh, when not saved or
-    `load_optimizer` is false). `optimizer=None` restores weights only, e.g. into an
-    inference bank. All checks run before the slot is claimed; a failure leaves it free.
-    """
+    """Allocates a slot (any free one, or `slot`) holding the checkpointed adapter's weights,
+    e.g. in an inference bank; returns it. The optimizer state, if saved, is not read into
+    anything. All checks run before the slot is claimed; a failure leaves it free."""
     src = Path(src)
-    return apply_training_state(
-        read_training_state(src),
-        src,
-        bank=bank,
-        optimizer=optimizer,
-        base_model_id=base_model_id,
-        slot=slot,
-        load_optimizer=load_optimizer,
+    return apply_weights(
+        read_training_state(src), src, bank=bank, base_model_id=base_model_id, slot=slot
     )
 
 
-def apply_training_state(
+def apply_weights(
     state: TrainingState,
     src: PathLike,
     *,
     bank: BankSet,
-    optimizer: BankAdamW | None,
     base_model_id: str,
     slot: int | None = None,
-    load_optimizer: bool = True,
 ) -> int:
-    """`restore_training_state` for a checkpoint already read (and validated) by the caller, so
-    a server that checked it before queueing the load does not parse it again; `src` names it
-    in errors."""
-    if state.base_model_id != base_model_id:
-        raise CheckpointError(
-            f"{src}: checkpoint was trained on base model {state.base_model_id!r}, "
-            f"but it is being restored onto {base_model_id!r}"
-        )
-    _check_optimizer(bank, optimizer)
-    _check_fits(state, bank, src)
-    spec = state.spec
-    assert spec.targets is not None
-    slot_state: dict[str, torch.Tensor] | None = None
-    if optimizer is not None and load_optimizer and state.moments is not None:
-        assert state.step is not None
-        slot_state = {
-            name: bank.join_row(state.moments[name], spec.rank, spec.targets) for name in MOMENTS
-        }
-        slot_state["step"] = torch.tensor(state.step, dtype=torch.int64)
-
-    slot = bank.allocate(spec, slot, initialize=False)
+    """`restore_weights` for a checkpoint already read (and validated) by the caller; `src`
+    names it in errors."""
+    check_base_model(state, src, base_model_id)
+    check_fits(state, bank, src)
+    slot = bank.allocate(state.spec, slot, initialize=False)
     try:
         bank.load_slot_weights(slot, state.weights)
-        if optimizer is not None:
-            optimizer.reset_slot(slot)
-            if slot_state is not None:
-                optimizer.load_slot_state(slot, slot_state)
     except BaseException:
-        if optimizer is not None:
-            optimizer.reset_slot(slot)
         bank.free(slot)
         raise
     return slot

@@ -28,20 +28,21 @@ import math
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from lorafleet.fsio import PathLike, atomic_directory, atomic_save_safetensors, atomic_write_json
-from lorafleet.model.banks import AdapterSpec, BankSet, layer_experts
+from lorafleet.model.banks import AdapterSpec, BankSet, SlotInfo, layer_experts
 from lorafleet.model.experts import ExpertProjection, ExpertsError
 
 __all__ = [
     "CONFIG_NAME",
     "EXPERT_LAYOUTS",
     "WEIGHTS_NAME",
+    "ExportableBank",
     "PeftFormatError",
     "export_peft",
     "import_peft",
@@ -192,8 +193,23 @@ def _join_experts(A_e: torch.Tensor, B_e: torch.Tensor) -> tuple[torch.Tensor, t
     return A.contiguous(), B.contiguous()
 
 
+class ExportableBank(Protocol):
+    """What an export reads of a bank: its layers and one slot's spec and weights (a `BankSet`,
+    or a sharded trainer's mirror of one that fetches the weights from the ranks)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def layers(self) -> Mapping[str, object]: ...
+
+    def check_slot(self, slot: int) -> SlotInfo: ...
+
+    def slot_weights(self, slot: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]: ...
+
+
 def _expert_tensors(
-    bank: BankSet, weights: Mapping[str, tuple[torch.Tensor, torch.Tensor]], layout: str
+    bank: ExportableBank, weights: Mapping[str, tuple[torch.Tensor, torch.Tensor]], layout: str
 ) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
     """Tensors (without the `base_model.model.` prefix) for the expert layers of one slot, plus
     the per-expert module names and the fused parameter paths they cover."""
@@ -337,7 +353,7 @@ def _bank_expert_weights(
 
 
 def export_peft(
-    bank: BankSet,
+    bank: ExportableBank,
     slot: int,
     dest: PathLike,
     *,

@@ -40,19 +40,13 @@ from lorafleet.adapters.checkpoint import (
     CheckpointError,
     LayerTensors,
     TrainingState,
-    apply_training_state,
+    apply_weights,
 )
 from lorafleet.model.adapted import AdaptedModel
 from lorafleet.model.banks import AdapterSpec, SlotInfo
 from lorafleet.model.routing import BASE_SLOT
-from lorafleet.train.engine import (
-    BatchOutput,
-    ItemOutput,
-    PreparedItem,
-    TrainEngine,
-    TrainInputError,
-    TrainItem,
-)
+from lorafleet.train.engine import BatchOutput, ItemOutput, TrainEngine
+from lorafleet.train.items import PreparedItem, TrainInputError, TrainItem
 from lorafleet.train.layout import plan_microbatches
 from lorafleet.train.losses import merge_metrics
 from lorafleet.train.optim import AdamHParams, BankAdamW
@@ -79,7 +73,8 @@ class ShardingConfig:
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks of an HF causal LM, one FSDP unit each."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    causal_lm: Any = model  # an HF causal LM; nn.Module types its accessors as Tensor
+    decoder = causal_lm.get_decoder() if hasattr(causal_lm, "get_decoder") else None
     layers = getattr(decoder, "layers", None)
     if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
         raise ValueError(
@@ -447,14 +442,8 @@ class ShardedTrainer:
         a checkpoint moves freely between 1 and N ranks."""
 
         def load() -> int:
-            allocated = apply_training_state(
-                state,
-                source,
-                bank=self.bank,
-                optimizer=None,
-                base_model_id=self.base_model_id,
-                slot=slot,
-                load_optimizer=False,
+            allocated = apply_weights(
+                state, source, bank=self.bank, base_model_id=self.base_model_id, slot=slot
             )
             if allocated in self.owned and self.optimizer is not None:
                 local = self._local(allocated)

@@ -22,8 +22,10 @@ import torch
 
 from lorafleet.adapters.checkpoint import TrainingState, read_training_state, write_training_state
 from lorafleet.adapters.peft_io import export_peft, read_peft
-from lorafleet.model.banks import AdapterSpec, BankError, BankSet, SlotInfo
-from lorafleet.train.engine import BatchOutput, PreparedItem, TrainEngine, TrainItem
+from lorafleet.model.banks import AdapterSpec, BankError, SlotInfo, SlotTable
+from lorafleet.train.canary_probe import trainer_canary_logprobs
+from lorafleet.train.engine import BatchOutput
+from lorafleet.train.items import ItemLimits, PreparedItem, TrainItem
 from lorafleet.train.optim import AdamHParams
 
 
@@ -56,19 +58,15 @@ class _RowFetcher:
         return self._bank.slot_row(slot)
 
 
-class RemoteBank:
+class RemoteBank(SlotTable):
     """Mirror of the ranks' training bank: slots, specs and scales here; tensors on request.
 
-    Duck-types the parts of `BankSet` that exporters and sampler publishing use (check_slot,
-    slot_weights, params[slot], scales, layers, row_size, layout); the slot-table methods are
-    BankSet's own, so validation messages are identical.
+    An `AdapterBank` (lorafleet.interfaces): what exporters, sampler publishing and the canary
+    read (check_slot, slot_weights, params[slot], scales, layers, row_size, layout). The slot
+    table is `SlotTable`, the base of `BankSet` too, so validation messages are identical.
     """
 
     trainable = True
-    check_slot = BankSet.check_slot
-    free_slots = BankSet.free_slots
-    used_slots = BankSet.used_slots
-    resolve_targets = BankSet.resolve_targets
 
     def __init__(self, engine: DistTrainEngine, info: Mapping[str, Any], name: str = "train"):
         self._engine = engine
@@ -124,12 +122,7 @@ class RemoteBank:
 
 
 class DistTrainEngine:
-    """`TrainEngine`'s interface, run by remote ranks (see the module docstring)."""
-
-    # Validation is the single-process engine's own code, over the mirrored slot table.
-    prepare = TrainEngine.prepare
-    _prepare_one = TrainEngine._prepare_one
-    _ensure_prepared = TrainEngine._ensure_prepared
+    """A `Trainer` (lorafleet.interfaces) run by remote ranks (see the module docstring)."""
 
     def __init__(self, client: RankClient):
         self.client = client
@@ -142,17 +135,11 @@ class DistTrainEngine:
         self.generation = 0  # bumped by every call that may change adapter weights
         self.hparams: dict[int, AdamHParams] = {}
         self.bank = RemoteBank(self, info)
-        self._token_budget: int | None = None
 
     # ---------------------------------------------------------------- settings
-    @property
-    def token_budget(self) -> int | None:
-        return self._token_budget
-
-    @token_budget.setter
-    def token_budget(self, value: int) -> None:
+    def set_token_budget(self, value: int) -> None:
+        """Micro-batch budget of padded tokens on every rank (they start with RankSettings')."""
         self.client.call("set_token_budget", token_budget=value)
-        self._token_budget = value
 
     def _changed(self) -> None:
         self.generation += 1
@@ -183,13 +170,31 @@ class DistTrainEngine:
         self.bank._clear(slot)
         self.hparams.pop(slot, None)
 
+    # ---------------------------------------------------------------- validation
+    def prepare(
+        self, items: Sequence[TrainItem], *, allow_base: bool = False
+    ) -> list[PreparedItem]:
+        """The single-process engine's validation (`ItemLimits`), over the mirrored slot table."""
+        return self._item_limits().prepare(items, allow_base=allow_base)
+
+    def _item_limits(self) -> ItemLimits:
+        return ItemLimits(self.bank, self.vocab_size, self.max_length)
+
     # ---------------------------------------------------------------- compute
     def forward(self, items: Sequence[TrainItem] | Sequence[PreparedItem]) -> BatchOutput:
         """As TrainEngine.forward: slot 0 scores the base model."""
-        return self.client.call("forward", items=self._ensure_prepared(items, allow_base=True))
+        return self.client.call(
+            "forward", items=self._item_limits().ensure_prepared(items, allow_base=True)
+        )
+
+    def canary_logprobs(self, slot: int | None, tokens: Sequence[int]) -> torch.Tensor:
+        """As TrainEngine.canary_logprobs: one `forward` over the ranks."""
+        return trainer_canary_logprobs(self, slot, tokens)
 
     def forward_backward(self, items: Sequence[TrainItem] | Sequence[PreparedItem]) -> BatchOutput:
-        return self.client.call("forward_backward", items=self._ensure_prepared(items))
+        return self.client.call(
+            "forward_backward", items=self._item_limits().ensure_prepared(items)
+        )
 
     def optim_step(self, hparams: Mapping[int, AdamHParams]) -> dict[int, dict[str, float]]:
         for slot in hparams:

@@ -6,7 +6,7 @@ Two ways to drive the ranks, one rank code:
   environment), receives each command, shares it with the other ranks over a gloo group, runs
   its part, collects every rank's status and answers. `lorafleet serve --trainer-ranks N`
   starts it (launcher.py);
-- Ray (ray_workers.py): the server calls `RankWorker.handle` on every rank actor itself.
+- Ray (ray_trainer.py): the server calls `RankWorker.handle` on every rank actor itself.
 
 Commands are `(name, kwargs)`; see protocol.py for which ones are collective.
 """
@@ -77,7 +77,7 @@ class RankWorker:
             cpu_group=cpu_group,
         )
         bank = self.trainer.bank
-        model = base.model
+        model: Any = base.model  # an HF causal LM; nn.Module types its accessors as Tensor
         self.info = {
             "base_model_id": base.model_id,
             "world": self.world,

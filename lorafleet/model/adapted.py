@@ -10,7 +10,7 @@ choosing a bank set and a slot per token:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -172,7 +172,7 @@ class AdaptedModel:
 
 @torch.no_grad()
 def probe_input_groups(
-    model: nn.Module, layers: Mapping[str, nn.Module], scope: RoutingScope
+    model: nn.Module, layers: Mapping[str, object], scope: RoutingScope
 ) -> list[list[str]]:
     """Which wrapped linears receive the very same input tensor, found by one 2-token base
     forward (read from the model's real data flow, not from module names). Skipped (no groups)
@@ -183,7 +183,7 @@ def probe_input_groups(
         return []
     seen: list[tuple[torch.Tensor, list[str]]] = []
 
-    def record(path: str):
+    def record(path: str) -> Callable[[nn.Module, tuple], None]:
         def hook(module: nn.Module, args: tuple) -> None:
             for tensor, paths in seen:
                 if tensor is args[0]:

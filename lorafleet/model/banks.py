@@ -31,6 +31,7 @@ import threading
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -38,6 +39,9 @@ from torch import nn
 from lorafleet.model import hugepages, native
 from lorafleet.model.kernels import KernelName, add_lora_native, add_lora_output, lora_hidden
 from lorafleet.model.routing import BASE_SLOT, Routing, RoutingScope
+
+if TYPE_CHECKING:
+    from lorafleet.interfaces import AdapterBank
 
 # Bank parameters are row-slices of the flat [slots, P] buffer, so their gradients (views of
 # the flat gradient buffer) are strided by design. Autograd accumulates into them in place, which
@@ -133,7 +137,7 @@ class InputGroup:
         """Member `member`'s columns of the shared A-projection of `x` (see kernels.lora_hidden)."""
         entry = getattr(self._local, "entry", None)
         if entry is None or entry[0] is not x_key or entry[1] is not routing or member in entry[3]:
-            entry = (x_key, routing, lora_hidden(x, self.A, routing, kernel), set())
+            entry = (x_key, routing, lora_hidden(x, self.A, routing, kernel), set[int]())
             self._local.entry = entry
         _, _, hidden, served = entry
         served.add(member)
@@ -144,12 +148,13 @@ class InputGroup:
         return hidden[:, member * self.r_store : (member + 1) * self.r_store]
 
 
-def _b_view(flat: torch.Tensor, layer: LoRALinear, r_store: int) -> torch.Tensor:
+def _b_view(flat: torch.Tensor, layer: BankLayer, r_store: int) -> torch.Tensor:
     """[slots, out, r_store] view of B values stored in flat [slots, out * r_store] rows.
 
     A plain linear's B is stored rank-major ([r_store, out] per slot) and viewed transposed:
     the expand step then reads each rank row of B as one contiguous stream, which on CPU
-    makes decode-sized products ~1.4x faster. An expert bank keeps [E, out / E, r_store]."""
+    makes decode-sized products faster (docs/performance.md). An expert bank keeps
+    [E, out / E, r_store]."""
     slots = flat.shape[0]
     out = layer.out_features
     experts = layer_experts(layer)
@@ -171,6 +176,29 @@ class LayerBank:
     native_plan: native.LayerPlan | None = None  # A and B as the native CPU kernels read them
 
 
+class BankLayer(Protocol):
+    """What a bank set needs of a layer it spans: a wrapped linear (`LoRALinear`) or one fused
+    expert projection (experts.ExpertProjection), which is not an nn.Module."""
+
+    kernel: KernelName
+
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def in_features(self) -> int: ...
+
+    @property
+    def out_features(self) -> int: ...
+
+    @property
+    def weight(self) -> torch.Tensor: ...
+
+    def attach(self, bank: str, layer_bank: LayerBank) -> None: ...
+
+    def bank(self, name: str) -> LayerBank | None: ...
+
+
 class LoRALinear(nn.Module):
     """A frozen nn.Linear plus the LoRA banks of every bank set that targets it.
 
@@ -188,7 +216,7 @@ class LoRALinear(nn.Module):
         self._scope = scope
         self._banks: dict[str, LayerBank] = {}
         # Plain ints: a decode step reads them in every layer call, and going through
-        # nn.Module attribute lookup each time costs about a microsecond.
+        # nn.Module attribute lookup each time adds up over a step's layer calls.
         self._in_features = int(base_layer.in_features)
         self._out_features = int(base_layer.out_features)
 
@@ -239,7 +267,7 @@ class LoRALinear(nn.Module):
 
 
 def _usable_groups(
-    input_groups: Sequence[Sequence[str]], layers: Mapping[str, LoRALinear]
+    input_groups: Sequence[Sequence[str]], layers: Mapping[str, BankLayer]
 ) -> list[tuple[str, ...]]:
     """The groups whose members this bank wraps as plain linears of one input width."""
     usable = []
@@ -260,12 +288,55 @@ class SlotInfo:
     targets: tuple[str, ...]  # resolved module paths this adapter trains
 
 
+class SlotTable:
+    """The slot bookkeeping of a bank: which slots hold which adapter, and the checks on them.
+
+    `BankSet` holds the tensors too; a sharded trainer's server-side mirror
+    (`lorafleet.distributed.remote.RemoteBank`) holds only this table, and both inherit the same
+    checks so that their error messages are identical.
+    """
+
+    name: str
+    num_slots: int
+    slots: list[SlotInfo | None]
+    layers: Mapping[str, object]
+
+    def free_slots(self) -> list[int]:
+        return [s for s in range(1, self.num_slots) if self.slots[s] is None]
+
+    def used_slots(self) -> list[int]:
+        return [s for s in range(1, self.num_slots) if self.slots[s] is not None]
+
+    def check_slot(self, slot: int) -> SlotInfo:
+        if not isinstance(slot, int) or isinstance(slot, bool) or not 1 <= slot < self.num_slots:
+            raise BankError(
+                f"slot {slot!r} is not an adapter slot of bank {self.name!r} (1..{self.num_slots - 1})"
+            )
+        info = self.slots[slot]
+        if info is None:
+            raise BankError(f"slot {slot} of bank {self.name!r} is not allocated")
+        return info
+
+    def resolve_targets(self, spec: AdapterSpec) -> tuple[str, ...]:
+        if spec.targets is None:
+            return tuple(self.layers)
+        unknown = [t for t in spec.targets if t not in self.layers]
+        if unknown:
+            raise BankError(
+                f"adapter targets {unknown} are not layers of bank {self.name!r} "
+                f"(it wraps {len(self.layers)} layers, e.g. {list(self.layers)[:3]})"
+            )
+        if not spec.targets:
+            raise BankError("adapter targets is empty")
+        return tuple(t for t in self.layers if t in set(spec.targets))
+
+
 @dataclass
-class BankSet:
+class BankSet(SlotTable):
     """One family of adapter slots across a fixed set of layers."""
 
     name: str
-    layers: dict[str, LoRALinear]
+    layers: dict[str, BankLayer]
     num_slots: int
     r_max: int
     params: torch.Tensor  # fp32 [slots, P]
@@ -278,7 +349,7 @@ class BankSet:
     def create(
         cls,
         name: str,
-        layers: Mapping[str, LoRALinear],
+        layers: Mapping[str, BankLayer],
         *,
         num_slots: int,
         r_max: int,
@@ -367,35 +438,6 @@ class BankSet:
     @property
     def row_size(self) -> int:
         return int(self.params.shape[1])
-
-    def free_slots(self) -> list[int]:
-        return [s for s in range(1, self.num_slots) if self.slots[s] is None]
-
-    def used_slots(self) -> list[int]:
-        return [s for s in range(1, self.num_slots) if self.slots[s] is not None]
-
-    def check_slot(self, slot: int) -> SlotInfo:
-        if not isinstance(slot, int) or isinstance(slot, bool) or not 1 <= slot < self.num_slots:
-            raise BankError(
-                f"slot {slot!r} is not an adapter slot of bank {self.name!r} (1..{self.num_slots - 1})"
-            )
-        info = self.slots[slot]
-        if info is None:
-            raise BankError(f"slot {slot} of bank {self.name!r} is not allocated")
-        return info
-
-    def resolve_targets(self, spec: AdapterSpec) -> tuple[str, ...]:
-        if spec.targets is None:
-            return tuple(self.layers)
-        unknown = [t for t in spec.targets if t not in self.layers]
-        if unknown:
-            raise BankError(
-                f"adapter targets {unknown} are not layers of bank {self.name!r} "
-                f"(it wraps {len(self.layers)} layers, e.g. {list(self.layers)[:3]})"
-            )
-        if not spec.targets:
-            raise BankError("adapter targets is empty")
-        return tuple(t for t in self.layers if t in set(spec.targets))
 
     def allocate(
         self, spec: AdapterSpec, slot: int | None = None, *, initialize: bool = True
@@ -530,7 +572,7 @@ class BankSet:
         return [(path, lb.a_span, lb.b_span) for path, lb in self.layer_banks.items()]
 
     @torch.no_grad()
-    def copy_slot_from(self, other: BankSet, src_slot: int, dst_slot: int) -> None:
+    def copy_slot_from(self, other: AdapterBank, src_slot: int, dst_slot: int) -> None:
         """Row copy between bank sets over the same layers (e.g. trainer -> sampler publish)."""
         if other.layout() != self.layout():
             raise BankError(f"bank {other.name!r} and {self.name!r} do not share a layout")

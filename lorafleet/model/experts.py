@@ -27,6 +27,7 @@ import inspect
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -34,6 +35,9 @@ from torch import nn
 from lorafleet.model.banks import BankError, LayerBank
 from lorafleet.model.kernels import KERNELS, KernelName, _contiguous_grad, grouped_mm_fits
 from lorafleet.model.routing import Routing, RoutingError, RoutingScope
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = [
     "ExpertProjection",
@@ -333,6 +337,7 @@ def _group_pairs(
     expert_ids = top_k_index.reshape(-1).to(torch.int64)
     active = routing.active_slots() if with_lora else []
     n = len(active)
+    active_t: torch.Tensor | None = None  # the active slots as a tensor, when there are any
     if n:
         if routing.slot_ids is None or routing.slot_scales is None:
             raise RoutingError(
@@ -363,6 +368,7 @@ def _group_pairs(
         active_slots=None,
     )
     if n:
+        assert routing.slot_ids is not None and routing.slot_scales is not None  # checked above
         lora_counts = counts[:, 1:].reshape(-1)
         pair_slot = routing.slot_ids[token]
         scale = routing.slot_scales[pair_slot].unsqueeze(1)
@@ -419,13 +425,13 @@ class _SlotRows(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, bank_param: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, bank_param: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         ctx.bank_param = bank_param
         ctx.save_for_backward(slots)
         return bank_param.detach().index_select(0, slots)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
         (slots,) = ctx.saved_tensors
         target = ctx.bank_param.grad
         if target is None:
@@ -518,7 +524,8 @@ class LoRAExperts(nn.Module):
     ) -> torch.Tensor:
         routing = self._scope.current(self.path)
         layout = self.layout
-        base = self.base_layer
+        # an HF experts module: its projections, gate and norms are named per architecture
+        base: Any = self.base_layer
         if hidden_states.dim() != 2 or top_k_index.dim() != 2:
             raise ValueError(
                 f"{self.path}: expected hidden_states [tokens, hidden] and top_k_index [tokens, k], got "
@@ -591,7 +598,7 @@ class LoRAExperts(nn.Module):
         # On CPU the LoRA products run in fp32 whatever the model dtype. Their many small
         # matmuls (one per expert x adapter, sizes changing every batch) in bf16 go through
         # oneDNN, which builds a kernel per shape and keeps only 1024: mixed batches thrashed
-        # that cache (measured 1.34x slower than one adapter; 0.99x in fp32, faster outright).
+        # that cache and ran slower than one adapter, where fp32 ran no slower (and faster).
         # The bank is fp32 already, so only the routed rows are cast.
         compute = torch.float32 if x.device.type == "cpu" else x.dtype
         A_g, B_g = _expert_major(bank, groups.active_slots, compute)
@@ -644,7 +651,8 @@ def per_expert_names(model: nn.Module, info: ExpertParamInfo) -> list[PerExpertN
         experts, out_features, 1
     )
     # A [E, out, in]-ordered label; the conversion only sees the key and the leading two dims.
-    reverted = revert_weight_conversion(model, {info.path: labels})
+    # `config` is what marks an HF PreTrainedModel here (checked above)
+    reverted = revert_weight_conversion(cast("PreTrainedModel", model), {info.path: labels})
     if set(reverted) == {info.path}:
         return None
     names: list[PerExpertName] = []

@@ -3,8 +3,8 @@
 An adapter bank is one large fp32 tensor that every decode step streams through in per-slot
 blocks a bank row apart; with 4 KiB pages that walk costs a TLB miss every few KiB. Asking
 for huge pages (madvise MADV_HUGEPAGE, before the pages are first touched) made the native
-LoRA kernels ~5% faster at decode. It is only a hint: where it is refused (not Linux, THP
-off) the tensor is the same, on ordinary pages.
+LoRA kernels faster at decode (docs/performance.md). It is only a hint: where it is refused
+(not Linux, THP off) the tensor is the same, on ordinary pages.
 """
 
 from __future__ import annotations

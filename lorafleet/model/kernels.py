@@ -17,9 +17,9 @@ projects for all of them (see banks.InputGroup).
 
 A forward that needs no autograd (sampling, scoring) on CPU runs each layer's whole LoRA as
 one call to the native kernels of `lora_cpu.c` instead (`add_lora_native`, see native.py):
-they stream each adapter's fp32 A and B about twice as fast as MKL's small batched matmuls at
-decode sizes, and fold the token gather, the bf16 conversion, the scale and the scatter-add
-into the same pass. They agree with the torch implementations to fp32 rounding, and a token's
+they stream each adapter's fp32 A and B faster than MKL's small batched matmuls at decode
+sizes (docs/performance.md), and fold the token gather, the bf16 conversion, the scale and the
+scatter-add into the same pass. They agree with the torch implementations to fp32 rounding, and a token's
 result never depends on the rest of the batch. One call per layer matters as much as the
 arithmetic: at decode the Python around two calls per layer (and a shared A-projection per
 input group) cost about as much time as the kernels themselves.
@@ -28,13 +28,14 @@ Kernel names: `auto` = native when it applies and is built, else grouped (loop w
 shapes do not fit grouped_mm); `native` = the same, but a missing native library is an error;
 `grouped` / `loop` = torch only.
 
-Never gather per-token weight matrices (`A[slot_ids]`): measured 60-230x slower.
+Never gather per-token weight matrices (`A[slot_ids]`): far slower than segments (figure:
+docs/performance.md).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -51,11 +52,11 @@ class _ContiguousGrad(torch.autograd.Function):
     """Identity whose backward hands grouped_mm a dense gradient (it rejects stride-0 ones)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         return grad.contiguous()
 
 

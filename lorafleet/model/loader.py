@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lorafleet.hardware import resolve_dtype
 from lorafleet.model.presets import is_preset, materialize
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -84,9 +85,12 @@ def load_base(
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
 ) -> LoadedBase:
-    """Load a preset or local HF directory, frozen: only adapters are ever trained."""
+    """Load a preset or local HF directory, frozen: only adapters are ever trained.
+    `dtype="auto"` takes the machine's choice (lorafleet/hardware.py)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if isinstance(dtype, str) and dtype.strip().lower() == "auto":
+        dtype = resolve_dtype("auto", device).dtype
     torch_dtype = parse_dtype(dtype)  # before any slow work, so bad input fails fast
     model_id, path = resolve_base(name_or_path)
     model = AutoModelForCausalLM.from_pretrained(
@@ -98,7 +102,8 @@ def load_base(
     )
     model.requires_grad_(False)
     model.eval()
-    model.to(device)
+    module: nn.Module = model  # transformers' decorator on PreTrainedModel.to hides its `self`
+    module.to(device)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return LoadedBase(
         model=model, tokenizer=tokenizer, model_id=model_id, path=path, dtype=torch_dtype

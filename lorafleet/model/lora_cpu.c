@@ -2,11 +2,11 @@
  *
  * Why a kernel of our own: at decode a slot owns a handful of tokens, so each adapter's A and
  * B are read from memory to be multiplied by a few rows only. MKL's small batched GEMMs read
- * them at about 7-9 GB/s on such shapes; these loops, prefetching the next slot's weights
- * into L2, reach ~16 GB/s on one core over a whole SmolLM2 decode step (a plain read of the
- * same bytes: ~22 GB/s), and fold the gather of routed tokens, the bf16->fp32 conversion, the
- * LoRA scale and the scatter-add of the deltas into the same pass (four to six torch ops per
- * layer otherwise). `lf_lora_add` runs both halves for one layer in one call: at decode the
+ * them well below memory speed on such shapes; these loops, prefetching the next slot's
+ * weights into L2, come close to a plain read of the same bytes (figures, and the command
+ * that measures them: docs/performance.md), and fold the gather of routed tokens, the
+ * bf16->fp32 conversion, the LoRA scale and the scatter-add of the deltas into the same pass
+ * (four to six torch ops per layer otherwise). `lf_lora_add` runs both halves for one layer in one call: at decode the
  * Python around each call costs as much as its arithmetic.
  *
  * Numerics (relied on by tests/model/test_native_kernels.py):
@@ -21,7 +21,10 @@
  *   differed between two expansions of the same loop (GCC 13 on a Sapphire Rapids host fused
  *   the one-token shrink differently from the others), and a token's bits then depended on
  *   how many tokens shared its slot. How tokens, rank rows and columns are blocked changes no
- *   operation.
+ *   operation;
+ * - the builds for AVX-512, AVX2 + FMA and generic x86-64 (native.py picks one at run time)
+ *   give the same bits: each lane of a 16-lane v16, whether one 64-byte vector or two 8-lane
+ *   halves, takes the same operations in the same order.
  *
  * Layouts (see banks.py): A[slot] is [R, in] row-major at A + slot * a_slot_stride; B is
  * stored rank-major, B[slot][r, j] at B + slot * b_slot_stride + r * b_rank_stride + j.
@@ -48,21 +51,65 @@
 #define LF_ABI_VERSION 4
 #define TILE_ROWS 8  /* shrink: tokens sharing one pass over A */
 #define EXPAND_ROWS 8  /* expand: tokens sharing one pass over B */
+/* Tokens whose accumulators share the vector registers at once. A v16 accumulator takes one
+ * zmm register on AVX-512 (32 of them) but two ymm on AVX2 (16 of them): there a tile runs
+ * as sub-tiles of 4 tokens, one rank row (shrink) or 16 columns (expand) at a time, so the
+ * accumulators never spill. Every element still takes the same chain of operations, so the
+ * sub-tiling changes no result bit. */
+#if defined(__AVX512F__)
+#define SUB_TOKENS 8
+#else
+#define SUB_TOKENS 4
+#endif
 
 enum { LF_F32 = 0, LF_BF16 = 1 };
 /* Software prefetch of the next slot's weights into L2 while this slot's stream in: slots sit
- * a whole bank row apart, so the hardware prefetcher cannot guess the jump (measured 26%
- * faster at decode on SmolLM2 shapes). */
+ * a whole bank row apart, so the hardware prefetcher cannot guess the jump (what it saves at
+ * decode: docs/performance.md). */
 #define PREFETCH_L2(p) __builtin_prefetch((p), 0, 2)
 
-typedef float v16 __attribute__((vector_size(64)));
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
 
+/* v16: 16 fp32 lanes, the unit every loop below works in. On AVX-512 (and the generic build)
+ * it is one 64-byte vector. On AVX2 it is two native 8-lane halves: the compiler lowers a
+ * 64-byte vector there lane by lane through the stack, which made the AVX2 build several times
+ * slower than its FMA throughput allows. Every operation acts lane by lane in the same order
+ * on either layout, so the layouts give the same bits. */
+#if defined(__FMA__) && !defined(__AVX512F__)
+typedef struct { v8 lo, hi; } v16;
+
+static inline v16 zero16(void) { return (v16){{0}, {0}}; }
+static inline v16 load16(const float *p) {
+    v16 v;
+    memcpy(&v.lo, p, sizeof v.lo);
+    memcpy(&v.hi, p + 8, sizeof v.hi);
+    return v;
+}
+static inline void store16(float *p, v16 v) {
+    memcpy(p, &v.lo, sizeof v.lo);
+    memcpy(p + 8, &v.hi, sizeof v.hi);
+}
+static inline v16 splat16(float f) {
+    const v8 h = (v8)_mm256_set1_ps(f);
+    return (v16){h, h};
+}
+static inline v16 add16(v16 a, v16 b) { return (v16){a.lo + b.lo, a.hi + b.hi}; }
+/* a * b + c rounded once, lane by lane. */
+static inline v16 fma16(v16 a, v16 b, v16 c) {
+    return (v16){(v8)_mm256_fmadd_ps((__m256)a.lo, (__m256)b.lo, (__m256)c.lo),
+                 (v8)_mm256_fmadd_ps((__m256)a.hi, (__m256)b.hi, (__m256)c.hi)};
+}
+static inline v8 low8(v16 v) { return v.lo; }
+static inline v8 high8(v16 v) { return v.hi; }
+#else
+typedef float v16 __attribute__((vector_size(64)));
+
+static inline v16 zero16(void) { return (v16){0}; }
 static inline v16 load16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
-
+static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
 static inline v16 splat16(float f) {
 #if defined(__AVX512F__)
     return (v16)_mm512_set1_ps(f);
@@ -70,43 +117,28 @@ static inline v16 splat16(float f) {
     return (v16){f, f, f, f, f, f, f, f, f, f, f, f, f, f, f, f};
 #endif
 }
-
-/* a * b + c rounded once, lane by lane: one instruction where the CPU has FMA
- * (-march=native), the same bits from libm's fmaf where it does not. */
+static inline v16 add16(v16 a, v16 b) { return a + b; }
+/* a * b + c rounded once, lane by lane: one instruction on AVX-512, the same bits from
+ * libm's fmaf on a CPU without FMA. */
+static inline v16 fma16(v16 a, v16 b, v16 c) {
 #if defined(__AVX512F__)
-static inline v16 fma16(v16 a, v16 b, v16 c) {
     return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-}
-#elif defined(__FMA__)
-static inline v16 fma16(v16 a, v16 b, v16 c) {
-    v8 a2[2], b2[2], c2[2];
-    memcpy(a2, &a, sizeof a2);
-    memcpy(b2, &b, sizeof b2);
-    memcpy(c2, &c, sizeof c2);
-    for (int h = 0; h < 2; h++) c2[h] = (v8)_mm256_fmadd_ps((__m256)a2[h], (__m256)b2[h], (__m256)c2[h]);
-    memcpy(&c, c2, sizeof c);
-    return c;
-}
 #else
-static inline v16 fma16(v16 a, v16 b, v16 c) {
     v16 r;
     for (int l = 0; l < 16; l++) r[l] = __builtin_fmaf(a[l], b[l], c[l]);
     return r;
-}
 #endif
-static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+}
+static inline v8 low8(v16 v) { return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7); }
+static inline v8 high8(v16 v) { return __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15); }
+#endif
 
 /* Lanes i and i + 8, then i and i + 4, then (0 + 2) + (1 + 3): a fixed order, in vector
  * halves so it stays in registers. */
 static inline float hsum16(v16 v) {
-    v8 lo, hi;
-    memcpy(&lo, &v, sizeof lo);
-    memcpy(&hi, (const char *)&v + sizeof lo, sizeof hi);
-    const v8 s8 = lo + hi;
-    v4 a, b;
-    memcpy(&a, &s8, sizeof a);
-    memcpy(&b, (const char *)&s8 + sizeof a, sizeof b);
-    const v4 s4 = a + b;
+    const v8 s8 = low8(v) + high8(v);
+    const v4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) +
+                  __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
     return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
@@ -125,9 +157,55 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-/* Round-to-nearest-even of 16 floats to bf16 (NaN -> 0x7fc0), as c10::BFloat16 does; the
- * result is in the low 16 bits of each lane. */
-static inline u32x16 round_bf16(v16 f) {
+/* 8 bf16 values (raw bits) widened to fp32, exactly. */
+static inline v8 widen8(const uint16_t *p) {
+    u16x8 h;
+    memcpy(&h, p, sizeof h);
+    const u32x8 bits = __builtin_convertvector(h, u32x8) << 16;
+    v8 f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* 8 floats rounded to nearest-even bf16 (NaN -> 0x7fc0), as c10::BFloat16 does; the bf16 bits
+ * are in the low 16 bits of each lane. */
+static inline u32x8 bf16_bits8(v8 f) {
+    u32x8 u;
+    memcpy(&u, &f, sizeof u);
+    const u32x8 nan = (u & 0x7fffffffu) > 0x7f800000u;
+    const u32x8 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (nan & 0x7fc0u) | (~nan & rounded);
+}
+
+static inline void narrow8(uint16_t *p, v8 f) {
+    const u16x8 h = __builtin_convertvector(bf16_bits8(f), u16x8);
+    memcpy(p, &h, sizeof h);
+}
+
+/* f rounded to bf16, back in fp32 (exact). */
+static inline v8 round8(v8 f) {
+    const u32x8 bits = bf16_bits8(f) << 16;
+    v8 r;
+    memcpy(&r, &bits, sizeof r);
+    return r;
+}
+
+#if defined(__FMA__) && !defined(__AVX512F__)
+/* 16 bf16 values widened to fp32. */
+static inline v16 load_bf16x16(const uint16_t *p) { return (v16){widen8(p), widen8(p + 8)}; }
+
+/* dst[0 .. 16) (bf16) += delta, rounded as torch rounds dst.add_(delta.to(bfloat16)): the
+ * delta to bf16, the sum in fp32, the sum to bf16. */
+static inline void add_bf16x16(uint16_t *dst, v16 delta) {
+    narrow8(dst, widen8(dst) + round8(delta.lo));
+    narrow8(dst + 8, widen8(dst + 8) + round8(delta.hi));
+}
+#else
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+
+/* The same rounding as bf16_bits8, 16 lanes at once. */
+static inline u32x16 bf16_bits16(v16 f) {
     u32x16 u;
     memcpy(&u, &f, sizeof u);
     const u32x16 nan = (u & 0x7fffffffu) > 0x7f800000u;
@@ -135,12 +213,25 @@ static inline u32x16 round_bf16(v16 f) {
     return (nan & 0x7fc0u) | (~nan & rounded);
 }
 
-static inline v16 widen_bf16(u32x16 h) {
+static inline v16 widen_bits16(u32x16 h) {
     const u32x16 bits = h << 16;
     v16 f;
     memcpy(&f, &bits, sizeof f);
     return f;
 }
+
+static inline v16 load_bf16x16(const uint16_t *p) {
+    u16x16 h;
+    memcpy(&h, p, sizeof h);
+    return widen_bits16(__builtin_convertvector(h, u32x16));
+}
+
+static inline void add_bf16x16(uint16_t *dst, v16 delta) {
+    const v16 sum = load_bf16x16(dst) + widen_bits16(bf16_bits16(delta));
+    const u16x16 h = __builtin_convertvector(bf16_bits16(sum), u16x16);
+    memcpy(dst, &h, sizeof h);
+}
+#endif
 
 /* Where the tile starting at token t0 of segment s points its L2 prefetch, relative to its own
  * weights: the next slot's, from the segment's first tile only. 0 (re-touching its own lines)
@@ -215,11 +306,7 @@ static void load_row(float *dst, const void *x, int32_t x_dtype, int64_t row, in
     if (x_dtype == LF_BF16) {
         const uint16_t *src = (const uint16_t *)x + row * x_stride;
         int64_t k = 0;
-        for (; k + 16 <= in; k += 16) {
-            u16x16 half;
-            memcpy(&half, src + k, sizeof half);
-            store16(dst + k, widen_bf16(__builtin_convertvector(half, u32x16)));
-        }
+        for (; k + 16 <= in; k += 16) store16(dst + k, load_bf16x16(src + k));
         for (; k < in; k++) dst[k] = bf16_to_f32(src[k]);
     } else {
         memcpy(dst, (const float *)x + row * x_stride, (size_t)in * sizeof(float));
@@ -230,14 +317,14 @@ static void load_row(float *dst, const void *x, int32_t x_dtype, int64_t row, in
  * (NT and RB are constants in each expansion). Each (token, rank row) accumulator takes the
  * chunks k = 0, 16, ... in order whatever RB is, so the blocking changes no result bit. At
  * decode (a few tokens per slot) one row at a time streams A fastest; with a full tile, two
- * rows per pass halve the reloads of the tokens (measured 1.5x on SmolLM2's down_proj, whose
+ * rows per pass halve the reloads of the tokens (it pays on SmolLM2's down_proj, whose
  * 8 x 1536 tokens do not fit L1). */
 #define SHRINK_BLOCK(NT, RB)                                                                \
     for (; r + RB <= r1; r += RB) {                                                         \
         const float *a = As + r * in;                                                       \
         v16 acc[RB][NT];                                                                    \
         for (int q = 0; q < RB; q++)                                                        \
-            for (int i = 0; i < NT; i++) acc[q][i] = (v16){0};                              \
+            for (int i = 0; i < NT; i++) acc[q][i] = zero16();                              \
         for (int64_t k = 0; k < vec_end; k += 16) {                                         \
             v16 av[RB];                                                                     \
             for (int q = 0; q < RB; q++) {                                                  \
@@ -273,16 +360,25 @@ static int shrink_tile(const void *x, int32_t x_dtype, int64_t x_stride, int64_t
     float *xs = scratch(0, (size_t)(TILE_ROWS * in_pad));
     if (xs == NULL) return -1;
     for (int i = 0; i < nt; i++) load_row(xs + i * in_pad, x, x_dtype, rows[t0 + i], x_stride, in);
-    int64_t r = r0;
-    switch (nt) {
-    case 1: SHRINK_TILE(1, 1) break;
-    case 2: SHRINK_TILE(2, 1) break;
-    case 3: SHRINK_TILE(3, 1) break;
-    case 4: SHRINK_TILE(4, 1) break;
-    case 5: SHRINK_TILE(5, 2) break;
-    case 6: SHRINK_TILE(6, 2) break;
-    case 7: SHRINK_TILE(7, 2) break;
-    default: SHRINK_TILE(8, 2) break;
+    float *const tile_xs = xs;
+    const int64_t tile_t0 = t0;
+    for (int sub = 0; sub < nt; sub += SUB_TOKENS) {
+        const float *xs = tile_xs + sub * in_pad;
+        const int64_t t0 = tile_t0 + sub;
+        const int n = nt - sub < SUB_TOKENS ? nt - sub : SUB_TOKENS;
+        int64_t r = r0;
+        switch (n) {
+        case 1: SHRINK_TILE(1, 1) break;
+        case 2: SHRINK_TILE(2, 1) break;
+        case 3: SHRINK_TILE(3, 1) break;
+        case 4: SHRINK_TILE(4, 1) break;
+#if SUB_TOKENS > 4
+        case 5: SHRINK_TILE(5, 2) break;
+        case 6: SHRINK_TILE(6, 2) break;
+        case 7: SHRINK_TILE(7, 2) break;
+        default: SHRINK_TILE(8, 2) break;
+#endif
+        }
     }
     return 0;
 }
@@ -290,8 +386,7 @@ static int shrink_tile(const void *x, int32_t x_dtype, int64_t x_stride, int64_t
 /* hidden[t, r] = scale[t] * sum_k x[rows[t], k] * A[slot(t)][r, k]; hidden is [M, R].
  * `then` (then_len floats, or NULL) is what the caller reads next: while the last slot's A
  * streams in, it is prefetched as the next slot's A is for the others, so what follows does
- * not start cold (lf_lora_add passes its expand's first B and the rest of that bank row;
- * measured 5-7% off a SmolLM2 decode step's LoRA time). */
+ * not start cold (lf_lora_add passes its expand's first B and the rest of that bank row). */
 int lf_shrink(const void *x, int32_t x_dtype, int64_t x_stride, int64_t in,
               const int64_t *rows, const int64_t *segs, int64_t nseg,
               const float *A, int64_t a_slot_stride, int64_t R,
@@ -329,14 +424,7 @@ static inline void add_out(void *y, int32_t y_dtype, int64_t row, int64_t y_stri
     if (y_dtype == LF_BF16) {
         uint16_t *dst = (uint16_t *)y + row * y_stride + j0;
         int64_t j = 0;
-        for (; j + 16 <= n; j += 16) {
-            u16x16 half;
-            memcpy(&half, dst + j, sizeof half);
-            const v16 sum = widen_bf16(__builtin_convertvector(half, u32x16)) +
-                            widen_bf16(round_bf16(load16(delta + j)));
-            half = __builtin_convertvector(round_bf16(sum), u16x16);
-            memcpy(dst + j, &half, sizeof half);
-        }
+        for (; j + 16 <= n; j += 16) add_bf16x16(dst + j, load16(delta + j));
         for (; j < n; j++)
             dst[j] = f32_to_bf16(bf16_to_f32(dst[j]) + bf16_to_f32(f32_to_bf16(delta[j])));
     } else {
@@ -349,16 +437,10 @@ static inline void add_out(void *y, int32_t y_dtype, int64_t row, int64_t y_stri
 static inline void add_out16(void *y, int32_t y_dtype, int64_t row, int64_t y_stride, int64_t j,
                              v16 delta) {
     if (y_dtype == LF_BF16) {
-        uint16_t *dst = (uint16_t *)y + row * y_stride + j;
-        u16x16 half;
-        memcpy(&half, dst, sizeof half);
-        const v16 sum =
-            widen_bf16(__builtin_convertvector(half, u32x16)) + widen_bf16(round_bf16(delta));
-        half = __builtin_convertvector(round_bf16(sum), u16x16);
-        memcpy(dst, &half, sizeof half);
+        add_bf16x16((uint16_t *)y + row * y_stride + j, delta);
     } else {
         float *dst = (float *)y + row * y_stride + j;
-        store16(dst, load16(dst) + delta);
+        store16(dst, add16(load16(dst), delta));
     }
 }
 
@@ -369,7 +451,7 @@ static inline void add_out16(void *y, int32_t y_dtype, int64_t row, int64_t y_st
     for (; j + 16 * NV <= j1; j += 16 * NV) {                                               \
         v16 acc[NT][NV];                                                                    \
         for (int i = 0; i < NT; i++)                                                        \
-            for (int u = 0; u < NV; u++) acc[i][u] = (v16){0};                              \
+            for (int u = 0; u < NV; u++) acc[i][u] = zero16();                              \
         for (int64_t r = 0; r < R; r++) {                                                   \
             const float *b = Bs + r * b_rank_stride + j;                                    \
             v16 v[NV];                                                                      \
@@ -387,8 +469,12 @@ static inline void add_out16(void *y, int32_t y_dtype, int64_t row, int64_t y_st
                 add_out16(y, y_dtype, rows[t0 + i], y_stride, j + 16 * u, acc[i][u]);       \
     }
 
-/* 32 columns at a time, then 16. */
+/* 32 columns at a time, then 16 (AVX2: 16 only; see SUB_TOKENS). */
+#if SUB_TOKENS > 4
 #define EXPAND_TILE(NT) EXPAND_BLOCK(NT, 2) EXPAND_BLOCK(NT, 1)
+#else
+#define EXPAND_TILE(NT) EXPAND_BLOCK(NT, 1)
+#endif
 
 /* y[rows[t], j] += sum_r hidden[t, r] * B[slot(t)][r, j], for t in [t0, t0 + nt) and
  * j in [j0, j1) (j0 a multiple of 16, so each column takes the same vector or scalar path as
@@ -396,27 +482,34 @@ static inline void add_out16(void *y, int32_t y_dtype, int64_t row, int64_t y_st
 static void expand_tile(const float *hidden, int64_t h_stride, int64_t R, const int64_t *rows,
                         int64_t t0, int nt, const float *Bs, int64_t ahead, int64_t b_rank_stride,
                         int64_t j0, int64_t j1, void *y, int32_t y_dtype, int64_t y_stride) {
-    int64_t j = j0;
-    switch (nt) {
-    case 1: EXPAND_TILE(1) break;
-    case 2: EXPAND_TILE(2) break;
-    case 3: EXPAND_TILE(3) break;
-    case 4: EXPAND_TILE(4) break;
-    case 5: EXPAND_TILE(5) break;
-    case 6: EXPAND_TILE(6) break;
-    case 7: EXPAND_TILE(7) break;
-    default: EXPAND_TILE(8) break;
-    }
-    /* The last < 16 columns: the same chain per element, in scalars. */
-    float delta[16];
-    for (int i = 0; i < nt && j < j1; i++) {
-        for (int64_t c = 0; c < j1 - j; c++) {
-            float a = 0.0f;
-            for (int64_t r = 0; r < R; r++)
-                a = __builtin_fmaf(hidden[(t0 + i) * h_stride + r], Bs[r * b_rank_stride + j + c], a);
-            delta[c] = a;
+    const int64_t tile_t0 = t0;
+    for (int sub = 0; sub < nt; sub += SUB_TOKENS) {
+        const int64_t t0 = tile_t0 + sub;
+        const int n = nt - sub < SUB_TOKENS ? nt - sub : SUB_TOKENS;
+        int64_t j = j0;
+        switch (n) {
+        case 1: EXPAND_TILE(1) break;
+        case 2: EXPAND_TILE(2) break;
+        case 3: EXPAND_TILE(3) break;
+        case 4: EXPAND_TILE(4) break;
+#if SUB_TOKENS > 4
+        case 5: EXPAND_TILE(5) break;
+        case 6: EXPAND_TILE(6) break;
+        case 7: EXPAND_TILE(7) break;
+        default: EXPAND_TILE(8) break;
+#endif
         }
-        add_out(y, y_dtype, rows[t0 + i], y_stride, j, delta, j1 - j);
+        /* The last < 16 columns: the same chain per element, in scalars. */
+        float delta[16];
+        for (int i = 0; i < n && j < j1; i++) {
+            for (int64_t c = 0; c < j1 - j; c++) {
+                float a = 0.0f;
+                for (int64_t r = 0; r < R; r++)
+                    a = __builtin_fmaf(hidden[(t0 + i) * h_stride + r], Bs[r * b_rank_stride + j + c], a);
+                delta[c] = a;
+            }
+            add_out(y, y_dtype, rows[t0 + i], y_stride, j, delta, j1 - j);
+        }
     }
 }
 

@@ -1,11 +1,15 @@
 """Builds and loads the CPU LoRA kernels of `lora_cpu.c` (used by kernels.py when no autograd
 is needed).
 
-The source is compiled on first use with the system C compiler (`$CC`, else `cc`) for the CPU
-it runs on (`-march=native`), into the private lorafleet cache; the library's name hashes the
-source, the flags, the compiler and the CPU, so a shared home directory never hands one
-machine's build to another. It is loaded with ctypes: no Python headers, no torch extension
-toolchain, and a build takes well under a second.
+The source is compiled on first use with the system C compiler (`$CC`, else `cc`) into the
+private lorafleet cache, for one instruction-set path chosen at run time: `avx512`, `avx2`
+(AVX2 + FMA) or `generic` on x86, `native` elsewhere. The path is the strongest one the CPU
+has and this process may use (`hardware.cpu_info().cpu_class`, which `ATEN_CPU_CAPABILITY`
+and `ONEDNN_MAX_CPU_ISA` lower), or the one `LORAFLEET_NATIVE_ISA` names. Every path gives the
+same bits: each multiply-add is an explicit FMA (or `fmaf`) and the build forbids contraction.
+The library's name hashes the source, the flags, the compiler and the CPU, so a shared home
+directory never hands one machine's build to another. It is loaded with ctypes: no Python
+headers, no torch extension toolchain, and a build takes well under a second.
 
 Threads: where torch runs on GNU OpenMP (libgomp, as its Linux wheels do), the library is built
 with -fopenmp and so links the same runtime; each call then spreads its work over
@@ -28,11 +32,13 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from _ctypes import CFuncPtr
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from lorafleet.hardware import cpu_info
 from lorafleet.model.presets import cache_dir
 
 log = logging.getLogger(__name__)
@@ -41,7 +47,6 @@ SOURCE = Path(__file__).with_name("lora_cpu.c")
 ABI_VERSION = 4  # lf_abi_version() of the source this module speaks to
 FLAGS = (
     "-O3",
-    "-march=native",
     "-ffp-contract=off",
     "-fno-math-errno",
     "-std=gnu11",
@@ -50,6 +55,15 @@ FLAGS = (
 )
 OPENMP_FLAGS = ("-fopenmp",)
 ENV_SWITCH = "LORAFLEET_NATIVE_KERNELS"
+ENV_ISA = "LORAFLEET_NATIVE_ISA"
+# Instruction-set paths, strongest first, with the CPU class each needs and its -march.
+# x86-64-v4 is AVX-512 F/BW/CD/DQ/VL; x86-64-v3 is AVX2 + FMA (+ BMI, F16C).
+ISA_PATHS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "avx512": ("AVX512", ("-march=x86-64-v4", "-mtune=native")),
+    "avx2": ("AVX2", ("-march=x86-64-v3", "-mtune=native")),
+    "generic": ("DEFAULT", ("-march=x86-64", "-mtune=generic")),
+}
+NATIVE_PATH = ("native", ("-march=native",))  # non-x86: the compiler's own idea of this CPU
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 _ptr = ctypes.c_void_p
@@ -98,9 +112,9 @@ class NativeKernels:
     """The loaded library's entry points (ctypes functions with their signatures set)."""
 
     path: Path
-    shrink: ctypes._CFuncPtr  # type: ignore[name-defined]
-    expand_add: ctypes._CFuncPtr  # type: ignore[name-defined]
-    lora_add: ctypes._CFuncPtr  # type: ignore[name-defined]
+    shrink: CFuncPtr
+    expand_add: CFuncPtr
+    lora_add: CFuncPtr
     openmp: bool  # built with OpenMP: calls use torch.get_num_threads() threads
 
 
@@ -238,16 +252,45 @@ def _bind(path: Path) -> NativeKernels:
     )
 
 
+def runnable_paths() -> list[str]:
+    """The instruction-set paths this process can run, strongest first (tests compare them
+    bit for bit)."""
+    info = cpu_info()
+    if info.arch not in ("x86_64", "AMD64"):
+        return [NATIVE_PATH[0]]
+    return [name for name, (needs, _) in ISA_PATHS.items() if info.has(needs)]
+
+
+def chosen_path() -> str:
+    """The path the kernels run: `LORAFLEET_NATIVE_ISA` if set, else the strongest runnable."""
+    forced = os.environ.get(ENV_ISA, "").strip().lower()
+    runnable = runnable_paths()
+    if not forced:
+        return runnable[0]
+    if forced not in runnable:
+        raise NativeKernelError(
+            f"{ENV_ISA}={forced!r} is not a path this CPU can run; runnable: {', '.join(runnable)}"
+        )
+    return forced
+
+
+def _path_flags(path_name: str) -> tuple[str, ...]:
+    return NATIVE_PATH[1] if path_name == NATIVE_PATH[0] else ISA_PATHS[path_name][1]
+
+
 @functools.cache
-def _load() -> tuple[NativeKernels | None, str]:
+def _load_path(path_name: str) -> tuple[NativeKernels | None, str]:
     switch = os.environ.get(ENV_SWITCH, "1").strip().lower()
     if switch in ("0", "false", "no", "off"):
         return None, f"turned off by {ENV_SWITCH}={os.environ[ENV_SWITCH]}"
     compiler = _compiler()
     if compiler is None:
         return None, f"no C compiler ({os.environ.get('CC') or 'cc'}) on PATH"
-    builds = [("OpenMP", FLAGS + OPENMP_FLAGS)] if _torch_uses_libgomp() else []
-    builds.append(("serial", FLAGS))
+    base_flags = FLAGS + _path_flags(path_name)
+    builds: list[tuple[str, tuple[str, ...]]] = (
+        [("OpenMP", base_flags + OPENMP_FLAGS)] if _torch_uses_libgomp() else []
+    )
+    builds.append(("serial", base_flags))
     failures = []
     for name, flags in builds:
         try:
@@ -261,8 +304,35 @@ def _load() -> tuple[NativeKernels | None, str]:
             continue
         if failures:
             log.warning("native CPU LoRA kernels: %s; using the %s build", failures[0], name)
-        return kernels, f"loaded {path} ({name})"
+        return kernels, f"loaded {path} ({path_name}, {name})"
     return None, "; ".join(failures)
+
+
+def _load() -> tuple[NativeKernels | None, str]:
+    try:
+        path_name = chosen_path()
+    except NativeKernelError as exc:
+        return None, str(exc)
+    return _load_path(path_name)
+
+
+def kernels_for(path_name: str) -> NativeKernels:
+    """The kernels built for one instruction-set path (tests compare the paths' bits)."""
+    if path_name not in runnable_paths():
+        raise NativeKernelError(f"path {path_name!r} cannot run here; runnable: {runnable_paths()}")
+    loaded, reason = _load_path(path_name)
+    if loaded is None:
+        raise NativeKernelError(f"native CPU LoRA kernels ({path_name}) off: {reason}")
+    return loaded
+
+
+def path_name() -> str:
+    """Which LoRA kernels a no-grad CPU forward runs, in one word for benchmark JSON:
+    `avx512+openmp`, `avx2+serial`, ..., or `torch` when the native kernels are off."""
+    loaded, _ = _load()
+    if loaded is None:
+        return "torch"
+    return f"{chosen_path()}+{'openmp' if loaded.openmp else 'serial'}"
 
 
 def kernels() -> NativeKernels | None:

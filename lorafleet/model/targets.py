@@ -73,7 +73,8 @@ def _count_experts(experts: nn.Module) -> int:
 
 def linear_layers(model: nn.Module) -> dict[str, LinearInfo]:
     """Every nn.Linear that can carry LoRA, keyed by module path, with its structural role."""
-    unembed = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_unembed = getattr(model, "get_output_embeddings", None)
+    unembed = get_unembed() if get_unembed is not None else None
     routers = _router_paths(model)
     infos: dict[str, LinearInfo] = {}
 

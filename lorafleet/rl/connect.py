@@ -12,12 +12,14 @@ import logging
 import os
 import secrets
 import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import tinker
 
 from lorafleet.fsio import atomic_directory, atomic_write_json, ensure_private_dir
+from lorafleet.hardware import DtypeChoice, resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,16 @@ def tenant_keys(run_dir: Path, names: list[str], given: list[str] | None) -> dic
     return {n: keys[n] for n in names}
 
 
+def embedded_dtype(value: str, base_url: str | None) -> DtypeChoice:
+    """The embedded server's base dtype (`auto` resolved for this machine and printed with its
+    reason); with `base_url` the remote server decides, and the value is only recorded."""
+    if base_url:
+        return DtypeChoice(value, f"not used: the base model runs on {base_url}", auto=False)
+    choice = resolve_dtype(value)
+    print(f"lorafleet: dtype {choice.dtype} ({choice.reason})", file=sys.stderr)
+    return choice
+
+
 def start_backend(
     *,
     base_model: str,
@@ -87,8 +99,8 @@ def start_backend(
             base_model=base_model,
             tokenizer_dir=_local_tokenizer(base_model),
         )
+    from lorafleet.engines import EngineConfig
     from lorafleet.model.loader import resolve_base
-    from lorafleet.server.executor import EngineConfig
     from lorafleet.server.main import ServerThread, free_port
     from lorafleet.server.service import ServerConfig
 

@@ -4,6 +4,7 @@ pin the layout without a server)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from tinker import types
 
@@ -27,13 +28,14 @@ def rl_datum(
     if not prompt or not sampled:
         raise ValueError("an RL datum needs a non-empty prompt and at least one sampled token")
     pad = len(prompt) - 1
+    inputs: dict[str, Any] = {  # plain lists: Datum converts each by its key's wire dtype
+        "target_tokens": [0] * pad + list(sampled),
+        "logprobs": [0.0] * pad + [float(x) for x in logprobs],
+        "advantages": [0.0] * pad + [float(advantage)] * len(sampled),
+    }
     return types.Datum(
         model_input=types.ModelInput.from_ints(list(prompt) + list(sampled[:-1])),
-        loss_fn_inputs={
-            "target_tokens": [0] * pad + list(sampled),
-            "logprobs": [0.0] * pad + [float(x) for x in logprobs],
-            "advantages": [0.0] * pad + [float(advantage)] * len(sampled),
-        },
+        loss_fn_inputs=inputs,
     )
 
 
@@ -44,10 +46,10 @@ def sft_datum(tokens: Sequence[int], weights: Sequence[float]) -> types.Datum:
         raise ValueError(f"{len(tokens)} tokens but {len(weights)} weights")
     if len(tokens) < 2:
         raise ValueError("an SFT datum needs at least two tokens")
+    inputs: dict[str, Any] = {  # plain lists: Datum converts each by its key's wire dtype
+        "target_tokens": list(tokens[1:]),
+        "weights": [float(w) for w in weights[1:]],
+    }
     return types.Datum(
-        model_input=types.ModelInput.from_ints(list(tokens[:-1])),
-        loss_fn_inputs={
-            "target_tokens": list(tokens[1:]),
-            "weights": [float(w) for w in weights[1:]],
-        },
+        model_input=types.ModelInput.from_ints(list(tokens[:-1])), loss_fn_inputs=inputs
     )

@@ -15,6 +15,8 @@ from typing import Any, Protocol
 
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 NUMBER_RE = re.compile(r"-?\d+")
+# The system turn `lorafleet rl` gives every prompt (rl/loop.py TenantConfig.system_prompt).
+DEFAULT_SYSTEM_PROMPT = "Answer briefly."
 INSTRUCTION = "Put only the final answer inside <answer></answer>, for example <answer>42</answer>."
 
 
@@ -51,7 +53,7 @@ class ArithmeticEnv:
     """Built in, no extra dependency: `a op b` with operands in [0, max_operand].
 
     Reward: 1 for the correct number in the tag; `partial` when the correct number appears in
-    the text but not (correctly) tagged. SmolLM2-135M names the right sum ~40% of the time but
+    the text but not (correctly) tagged. SmolLM2-135M often names the right sum but
     almost never uses the tag, so the partial credit is what gives a 135M model a gradient at
     the start; the tag bonus is what it learns next."""
 

@@ -17,19 +17,27 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import tinker
 from tinker import types
 
 from lorafleet.fsio import atomic_write_json, ensure_private_dir, safe_name
-from lorafleet.rl.connect import Backend, export_adapter, load_tokenizer, start_backend, tenant_keys
+from lorafleet.rl.connect import (
+    Backend,
+    embedded_dtype,
+    export_adapter,
+    load_tokenizer,
+    start_backend,
+    tenant_keys,
+)
 from lorafleet.rl.datums import group_advantages, rl_datum
-from lorafleet.rl.envs import Env, extract_answer, make_env
+from lorafleet.rl.envs import DEFAULT_SYSTEM_PROMPT, Env, extract_answer, make_env
 from lorafleet.rl.report import MetricsLog, Progress, plot_curves, print_table
 
 log = logging.getLogger(__name__)
-LOSSES = ("importance_sampling", "ppo")
+RlLoss = Literal["importance_sampling", "ppo"]
+LOSSES: tuple[RlLoss, ...] = ("importance_sampling", "ppo")
 StepHook = Callable[[str, dict[str, Any]], None]
 
 
@@ -39,12 +47,15 @@ class TenantConfig:
     task: str = "arithmetic"
     learning_rate: float = 3e-4
     rank: int = 8
-    loss_fn: str = "importance_sampling"
+    loss_fn: RlLoss = "importance_sampling"
     prompts_per_step: int = 8
     group_size: int = 4
     max_tokens: int = 24
     temperature: float = 1.0
     seed: int = 0
+    # Every prompt's system turn; None keeps the chat template's default. A short one keeps
+    # the tokens each step prefills and trains on mostly the task's own.
+    system_prompt: str | None = DEFAULT_SYSTEM_PROMPT
 
     def validate(self) -> None:
         safe_name(self.name, "tenant name")
@@ -78,9 +89,9 @@ class RLConfig:
     api_keys: list[str] | None = None
     resume: bool = False
     progress: bool = True
-    # bf16 base (LoRA math stays fp32): ~2x faster steps on CPU, and it learns as fp32 does
-    # (SmolLM2 arithmetic, 8 steps: 0.13 -> 0.45 bf16 vs 0.18 -> 0.47 fp32).
-    dtype: str = "bfloat16"
+    # The embedded server's base dtype; `auto` is bf16 only where the hardware multiplies it
+    # natively (the LoRA math and optimizer stay fp32 either way; lorafleet/hardware.py).
+    dtype: str = "auto"
     torch_threads: int | None = None
 
 
@@ -117,10 +128,12 @@ class Checkpoint:
             raise ValueError(f"{path}: missing field {exc}") from None
 
 
-def render_prompt(tokenizer: Any, question: str) -> list[int]:
-    ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True
-    )
+def render_prompt(tokenizer: Any, question: str, system_prompt: str | None = None) -> list[int]:
+    """The question in the model's chat template. `system_prompt` None keeps the template's own
+    default system turn (SmolLM2's is several times longer than its arithmetic questions)."""
+    messages = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
+    messages.append({"role": "user", "content": question})
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if not isinstance(ids, list):  # transformers 5 may return a BatchEncoding
         ids = ids["input_ids"]
     return [int(t) for t in ids]
@@ -233,7 +246,7 @@ class TenantRunner:
         t0 = time.perf_counter()
         sampler = tc.save_weights_and_get_sampling_client().result()
         problems = self.env.problems(random.Random(step_seed(cfg.seed, step)), cfg.prompts_per_step)
-        prompts = [render_prompt(tokenizer, p.question) for p in problems]
+        prompts = [render_prompt(tokenizer, p.question, cfg.system_prompt) for p in problems]
         futures = [
             sampler.sample(
                 types.ModelInput.from_ints(prompt),
@@ -261,6 +274,8 @@ class TenantRunner:
             for seq, adv in zip(response.sequences, group_advantages(rewards), strict=True):
                 sampled_tokens += len(seq.tokens)
                 if adv != 0.0 and seq.tokens:  # zero-advantage rows carry no gradient
+                    if seq.logprobs is None:
+                        raise RuntimeError("the sampler returned a sequence without logprobs")
                     datums.append(rl_datum(prompt, seq.tokens, seq.logprobs, adv))
         loss = None
         if datums:
@@ -315,8 +330,16 @@ def run_rl(config: RLConfig, *, on_step: StepHook | None = None) -> dict[str, Te
                 f"{run_dir} already holds a run for {', '.join(taken)}: pass --resume or use another --run-dir"
             )
     keys = tenant_keys(run_dir, names, config.api_keys)
+    dtype = embedded_dtype(config.dtype, config.base_url)
     atomic_write_json(
-        run_dir / "config.json", {**asdict(config), "run_dir": str(run_dir), "api_keys": None}
+        run_dir / "config.json",
+        {
+            **asdict(config),
+            "run_dir": str(run_dir),
+            "api_keys": None,
+            "dtype": dtype.dtype,
+            "dtype_choice": dtype.record(),
+        },
     )
     rows_per_step = sum(t.prompts_per_step * t.group_size for t in config.tenants)
     backend = start_backend(
@@ -324,7 +347,7 @@ def run_rl(config: RLConfig, *, on_step: StepHook | None = None) -> dict[str, Te
         run_dir=run_dir,
         keys=list(keys.values()),
         base_url=config.base_url,
-        dtype=config.dtype,
+        dtype=dtype.dtype,
         max_adapters=max(2, len(names)),
         max_rank=max(max(t.rank for t in config.tenants), 8),
         torch_threads=config.torch_threads,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import io
 import json
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +81,7 @@ class Progress:
 
 
 def plot_curves(
-    path: Path, curves: dict[str, Sequence[dict[str, Any]]], key: str, ylabel: str
+    path: Path, curves: Mapping[str, Sequence[dict[str, Any]]], key: str, ylabel: str
 ) -> Path:
     """One line per tenant of `key` against `step`, written atomically as a PNG."""
     import matplotlib

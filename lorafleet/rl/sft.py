@@ -17,7 +17,13 @@ from typing import Any
 from tinker import types
 
 from lorafleet.fsio import atomic_write_json, ensure_private_dir
-from lorafleet.rl.connect import export_adapter, load_tokenizer, start_backend, tenant_keys
+from lorafleet.rl.connect import (
+    embedded_dtype,
+    export_adapter,
+    load_tokenizer,
+    start_backend,
+    tenant_keys,
+)
 from lorafleet.rl.datums import sft_datum
 from lorafleet.rl.report import MetricsLog, Progress, plot_curves, print_table
 
@@ -37,7 +43,7 @@ class SFTConfig:
     base_url: str | None = None
     api_key: str | None = None
     progress: bool = True
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # the embedded server's base dtype (see RLConfig.dtype)
 
 
 def _ids(encoded: Any) -> list[int]:
@@ -131,12 +137,24 @@ def run_sft(config: SFTConfig) -> dict[str, Any]:
     rows = load_rows(config.data)
     run_dir = ensure_private_dir(config.run_dir)
     key = tenant_keys(run_dir, ["sft"], [config.api_key] if config.api_key else None)["sft"]
+    dtype = embedded_dtype(config.dtype, config.base_url)
+    atomic_write_json(
+        run_dir / "config.json",
+        {
+            **asdict(config),
+            "data": str(config.data),
+            "run_dir": str(run_dir),
+            "api_key": None,
+            "dtype": dtype.dtype,
+            "dtype_choice": dtype.record(),
+        },
+    )
     backend = start_backend(
         base_model=config.base_model,
         run_dir=run_dir,
         keys=[key],
         base_url=config.base_url,
-        dtype=config.dtype,
+        dtype=dtype.dtype,
         max_adapters=2,
         max_rank=max(config.rank, 8),
     )

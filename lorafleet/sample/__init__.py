@@ -1,4 +1,5 @@
-"""Sampling: continuous-batching generation over sampler slots, adapter versions, verified sync."""
+"""Sampling: continuous-batching generation over sampler slots and adapter versions (the canary
+that verifies a publish against the trainer is `lorafleet.verification`, above this package)."""
 
 from lorafleet.sample.engine import SampleEngine
 from lorafleet.sample.types import (
@@ -10,12 +11,6 @@ from lorafleet.sample.types import (
     SequenceTrace,
     VersionKey,
 )
-from lorafleet.sample.verify import (
-    CanaryResult,
-    SyncVerificationError,
-    canary_check,
-    publish_verified,
-)
 from lorafleet.sample.versions import (
     NoFreeSlotError,
     UnknownVersionError,
@@ -25,7 +20,6 @@ from lorafleet.sample.versions import (
 )
 
 __all__ = [
-    "CanaryResult",
     "NoFreeSlotError",
     "SampleEngine",
     "SampleError",
@@ -34,12 +28,9 @@ __all__ = [
     "SampledSequence",
     "SamplingParams",
     "SequenceTrace",
-    "SyncVerificationError",
     "UnknownVersionError",
     "VersionError",
     "VersionKey",
     "VersionStore",
     "VersionUnavailableError",
-    "canary_check",
-    "publish_verified",
 ]

@@ -142,7 +142,7 @@ class SampleEngine:
         self.tokenizer = tokenizer
         self.max_rows = max_rows
         self.prefill_tokens = prefill_tokens
-        model = adapted.model
+        model: Any = adapted.model  # an HF causal LM; nn.Module types its accessors as Tensor
         config = model.config.get_text_config(decoder=True)
         self._check_supported(config)
         self.decoder = model.get_decoder()

@@ -20,6 +20,7 @@ key sits in its row only matters through the mask.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -41,6 +42,7 @@ class _RowLayer(CacheLayerMixin):
 
     is_compileable = False
     is_croppable = False
+    device: torch.device  # set with the buffers (HF code reads it)
 
     def __init__(self, owner: RowCache, index: int):
         super().__init__()
@@ -50,7 +52,9 @@ class _RowLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.owner._allocate_layer(self, key_states, value_states)
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         return self.owner._write(self, key_states, value_states)
@@ -76,6 +80,10 @@ class RowCache(Cache):
         self.capacity = initial_capacity
         self.current: ForwardPlan | None = None
 
+    def _row_layers(self) -> list[_RowLayer]:
+        """`self.layers` as what it holds: every layer is a `_RowLayer` built above."""
+        return [layer for layer in self.layers if isinstance(layer, _RowLayer)]
+
     # ------------------------------------------------------------------ layout
     def _allocate_layer(
         self, layer: _RowLayer, key_states: torch.Tensor, value_states: torch.Tensor
@@ -92,7 +100,7 @@ class RowCache(Cache):
         if columns <= self.capacity:
             return
         new_capacity = max(columns, 2 * self.capacity)
-        for layer in self.layers:
+        for layer in self._row_layers():
             if not layer.is_initialized:
                 continue
             for name in ("keys", "values"):
@@ -104,7 +112,7 @@ class RowCache(Cache):
 
     def release(self) -> None:
         """Frees the buffers (e.g. between sampling phases); they are re-allocated on demand."""
-        for layer in self.layers:
+        for layer in self._row_layers():
             layer.keys = layer.values = None
             layer.is_initialized = False
         self.current = None
@@ -143,11 +151,14 @@ class RowCache(Cache):
         self.current = plan
         return plan, mask, positions
 
-    def _write(self, layer: _RowLayer, key_states: torch.Tensor, value_states: torch.Tensor):
+    def _write(
+        self, layer: _RowLayer, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         plan = self.current
         if plan is None:
             raise RuntimeError("RowCache used without a plan; call plan() before the forward")
         rows = plan.rows
+        assert layer.keys is not None and layer.values is not None  # allocated before the write
         if plan.uniform_start is not None:
             start = plan.uniform_start
             layer.keys[rows, :, start : start + plan.q] = key_states
@@ -167,7 +178,7 @@ class RowCache(Cache):
         compaction when a sequence leaves)."""
         if src == dst or length == 0:
             return
-        for layer in self.layers:
-            if layer.is_initialized:
+        for layer in self._row_layers():
+            if layer.keys is not None and layer.values is not None:
                 layer.keys[dst, :, :length] = layer.keys[src, :, :length]
                 layer.values[dst, :, :length] = layer.values[src, :, :length]

@@ -29,7 +29,7 @@ class StopChecker:
             raise ValueError("stop strings need a tokenizer")
         self.token_ids = spec.token_ids
         self.strings = spec.strings
-        self.tokenizer = tokenizer
+        self.tokenizer: Any = tokenizer  # not None whenever there are stop strings (checked above)
         self.window = 4 * max((len(s) for s in spec.strings), default=0) + _WINDOW_SLACK
 
     def update(self, tokens: list[int]) -> bool:

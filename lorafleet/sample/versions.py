@@ -18,13 +18,16 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from lorafleet.adapters.checkpoint import STATE_NAME, CheckpointError, restore_training_state
+from lorafleet.adapters.checkpoint import STATE_NAME, CheckpointError, restore_weights
 from lorafleet.adapters.peft_io import CONFIG_NAME, PeftFormatError, import_peft
 from lorafleet.fsio import PathLike
 from lorafleet.model.banks import BankError, BankSet
 from lorafleet.sample.types import VersionKey
+
+if TYPE_CHECKING:
+    from lorafleet.interfaces import AdapterBank
 
 SourceKind = Literal["training_state", "peft"]
 
@@ -145,7 +148,7 @@ class VersionStore:
     def publish(
         self,
         adapter_id: str,
-        source: BankSet,
+        source: AdapterBank,
         source_slot: int,
         *,
         version: int | None = None,
@@ -264,12 +267,8 @@ class VersionStore:
         slot = self._claim_slot()
         try:
             if info.kind == "training_state":
-                restore_training_state(
-                    info.path,
-                    bank=self.bank,
-                    optimizer=None,
-                    base_model_id=self.base_model_id,
-                    slot=slot,
+                restore_weights(
+                    info.path, bank=self.bank, base_model_id=self.base_model_id, slot=slot
                 )
             else:
                 import_peft(self.bank, info.path, slot=slot)

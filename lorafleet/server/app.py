@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from lorafleet.server import schemas
+from lorafleet.server import schemas, views
 from lorafleet.server.auth import Tenant
 from lorafleet.server.errors import ApiError, UserError
 from lorafleet.server.service import Service
@@ -88,12 +88,10 @@ def create_app(service: Service) -> FastAPI:
         return JSONResponse(body, status_code=500)
 
     def tenant(request: Request) -> Tenant:
-        who = getattr(request.state, "tenant", None)
-        return (
-            who
-            if isinstance(who, Tenant)
-            else service.authenticate(request.headers.get("x-api-key"))
-        )
+        """The caller as `KeyGate` authenticated it: the gate runs before every route but the
+        public ones, which never ask."""
+        who: Tenant = request.state.tenant
+        return who
 
     async def raw_body(request: Request, limit: int) -> bytes:
         declared = request.headers.get("content-length")
@@ -137,17 +135,17 @@ def create_app(service: Service) -> FastAPI:
     @app.post(f"{API}/client/config")
     async def client_config(request: Request) -> dict[str, Any]:
         tenant(request)
-        return service.client_config()
+        return views.client_config()
 
     @app.post(f"{API}/client/dynamic_config")
     async def dynamic_config(request: Request) -> dict[str, Any]:
         tenant(request)
-        return service.dynamic_config()
+        return views.dynamic_config()
 
     @app.get(f"{API}/get_server_capabilities")
     async def capabilities(request: Request) -> dict[str, Any]:
         tenant(request)
-        return service.capabilities()
+        return views.capabilities(service.served)
 
     @app.post(f"{API}/telemetry")
     async def telemetry(request: Request) -> dict[str, str]:
@@ -162,59 +160,59 @@ def create_app(service: Service) -> FastAPI:
     # ------------------------------------------------------------------ sessions
     @app.post(f"{API}/create_session")
     async def create_session(request: Request) -> dict[str, Any]:
-        return service.create_session(tenant(request), await body(request))
+        return service.sessions.create(tenant(request), await body(request))
 
     @app.post(f"{API}/session_heartbeat")
     async def session_heartbeat(request: Request) -> dict[str, Any]:
-        return service.heartbeat(tenant(request), await body(request))
+        return service.sessions.heartbeat(tenant(request), await body(request))
 
     @app.post(f"{API}/sessions/{{session_id}}/finish")
     async def finish_session(session_id: str, request: Request) -> dict[str, Any]:
-        return service.finish_session(tenant(request), session_id, await body(request))
+        return service.sessions.finish(tenant(request), session_id, await body(request))
 
     # ------------------------------------------------------------------ training
     @app.post(f"{API}/create_model")
     async def create_model(request: Request) -> dict[str, Any]:
-        return service.submit_create_model(tenant(request), await body(request))
+        return service.training.create_model(tenant(request), await body(request))
 
     @app.post(f"{API}/get_info")
     async def get_info(request: Request) -> dict[str, Any]:
-        return service.get_info(tenant(request), await body(request))
+        return service.rest.get_info(tenant(request), await body(request))
 
     @app.post(f"{API}/forward_backward")
     async def forward_backward(request: Request) -> dict[str, Any]:
         who = tenant(request)
         raw = await raw_body(request, service.config.max_body_bytes)
-        return service.submit_forward_backward(who, raw, request.headers.get("content-encoding"))
+        return service.training.forward_backward(who, raw, request.headers.get("content-encoding"))
 
     @app.post(f"{API}/optim_step")
     async def optim_step(request: Request) -> dict[str, Any]:
-        return service.submit_optim_step(tenant(request), await body(request))
+        return service.training.optim_step(tenant(request), await body(request))
 
     @app.post(f"{API}/save_weights")
     async def save_weights(request: Request) -> dict[str, Any]:
-        return service.submit_save_weights(tenant(request), await body(request))
+        return service.training.save_weights(tenant(request), await body(request))
 
     @app.post(f"{API}/save_weights_for_sampler")
     async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
-        return service.submit_save_for_sampler(tenant(request), await body(request))
+        return service.training.save_for_sampler(tenant(request), await body(request))
 
     @app.post(f"{API}/load_weights")
     async def load_weights(request: Request) -> dict[str, Any]:
-        return service.submit_load_weights(tenant(request), await body(request))
+        return service.training.load_weights(tenant(request), await body(request))
 
     # ------------------------------------------------------------------ sampling
     @app.post(f"{API}/create_sampling_session")
     async def create_sampling_session(request: Request) -> dict[str, Any]:
-        return service.create_sampling_session(tenant(request), await body(request))
+        return service.sampling.create_session(tenant(request), await body(request))
 
     @app.get(f"{API}/samplers/{{sampler_id}}")
     async def get_sampler(sampler_id: str, request: Request) -> dict[str, Any]:
-        return service.get_sampler(tenant(request), sampler_id)
+        return service.rest.get_sampler(tenant(request), sampler_id)
 
     @app.post(f"{API}/asample")
     async def asample(request: Request) -> dict[str, Any]:
-        return service.submit_sample(tenant(request), await body(request))
+        return service.sampling.sample(tenant(request), await body(request))
 
     # ------------------------------------------------------------------ futures
     @app.post(f"{API}/retrieve_future")
@@ -234,19 +232,19 @@ def create_app(service: Service) -> FastAPI:
     async def list_training_runs(
         request: Request, limit: int = 20, offset: int = 0
     ) -> dict[str, Any]:
-        return service.list_training_runs(tenant(request), limit, offset)
+        return service.rest.list_training_runs(tenant(request), limit, offset)
 
     @app.get(f"{API}/training_runs/{{run_id}}")
     async def get_training_run(run_id: str, request: Request) -> dict[str, Any]:
-        return service.get_training_run(tenant(request), run_id)
+        return service.rest.get_training_run(tenant(request), run_id)
 
     @app.get(f"{API}/training_runs/{{run_id}}/checkpoints")
     async def list_run_checkpoints(run_id: str, request: Request) -> dict[str, Any]:
-        return service.list_checkpoints(tenant(request), run_id)
+        return service.rest.list_checkpoints(tenant(request), run_id)
 
     @app.put(f"{API}/training_runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}/ttl")
     async def set_ttl(run_id: str, checkpoint_id: str, request: Request) -> dict[str, Any]:
-        return service.set_checkpoint_ttl(
+        return service.rest.set_checkpoint_ttl(
             tenant(request), run_id, checkpoint_id, await body(request)
         )
 
@@ -254,17 +252,19 @@ def create_app(service: Service) -> FastAPI:
     async def delete_checkpoint(
         run_id: str, checkpoint_id: str, request: Request
     ) -> dict[str, Any]:
-        await asyncio.wrap_future(service.delete_checkpoint(tenant(request), run_id, checkpoint_id))
+        await asyncio.wrap_future(
+            service.rest.delete_checkpoint(tenant(request), run_id, checkpoint_id)
+        )
         return {}
 
     @app.get(f"{API}/checkpoints")
     async def list_user_checkpoints(
         request: Request, limit: int = 100, offset: int = 0
     ) -> dict[str, Any]:
-        return service.list_checkpoints(tenant(request), None, limit, offset)
+        return service.rest.list_checkpoints(tenant(request), None, limit, offset)
 
     @app.post(f"{API}/weights_info")
     async def weights_info(request: Request) -> dict[str, Any]:
-        return service.weights_info(tenant(request), await body(request))
+        return service.rest.weights_info(tenant(request), await body(request))
 
     return app

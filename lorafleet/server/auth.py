@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,10 +48,10 @@ def parse_keys(lines: Iterable[str], source: str) -> list[str]:
 
 
 def load_keys(
-    key_file: str | os.PathLike[str] | None = None, env: dict[str, str] | None = None
+    key_file: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None
 ) -> list[str]:
-    env = os.environ if env is None else env
-    keys = parse_keys(env.get(ENV_VAR, "").split(","), f"${ENV_VAR}")
+    environ: Mapping[str, str] = os.environ if env is None else env
+    keys = parse_keys(environ.get(ENV_VAR, "").split(","), f"${ENV_VAR}")
     if key_file is not None:
         path = Path(key_file)
         keys += parse_keys(path.read_text(encoding="utf-8").splitlines(), str(path))

@@ -2,7 +2,7 @@
 
 One frozen base carries two bank sets (colocate): "train" slots hold the live adapters of
 training clients, "sample" slots hold immutable published versions that samplers read. Requests
-arrive already parsed (service.py); here each request is validated against the engine
+arrive already parsed (requests.py); here each request is validated against the engine
 (`TrainEngine.prepare`, `AdamHParams.validate`, the sampler's per-request checks) before it is
 batched, so a bad request fails alone, and a batch that still fails is re-run request by
 request to find the culprit rather than failing its neighbours.
@@ -17,7 +17,6 @@ import os
 import secrets
 import shutil
 import time
-from collections import deque
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -25,49 +24,42 @@ from typing import Any
 
 from lorafleet.adapters.checkpoint import CheckpointError, TrainingState, read_training_state
 from lorafleet.adapters.peft_io import export_peft
+from lorafleet.engines import EngineConfig, build_engines
+from lorafleet.interfaces import EngineSet
 from lorafleet.model.banks import AdapterSpec, BankError
 from lorafleet.model.loader import load_base
 from lorafleet.model.targets import TargetError, resolve_tinker_targets
 from lorafleet.sample import (
     SampleRequest,
     SampleResult,
-    SamplingParams,
     UnknownVersionError,
     VersionError,
 )
-from lorafleet.sample.colocate import colocate
-from lorafleet.sample.verify import publish_verified
 from lorafleet.sample.versions import detect_kind
-from lorafleet.server import faults, proto
+from lorafleet.server import faults, ids, proto
 from lorafleet.server.errors import ApiError, NotFound, UserError
 from lorafleet.server.futures import Result
-from lorafleet.server.paths import TinkerPath, checkpoint_dir, dir_size, run_dir_name
-from lorafleet.server.scheduler import Op, PendingSample, Scheduler
+from lorafleet.server.paths import TinkerPath, checkpoint_dir, dir_size
+from lorafleet.server.payloads import (
+    CreateArgs,
+    FromStateArgs,
+    LoadArgs,
+    SampleArgs,
+    SaveArgs,
+    SaveSamplerArgs,
+)
+from lorafleet.server.retention import EphemeralRetention
+from lorafleet.server.scheduler import Op, PendingSample
 from lorafleet.server.store import CheckpointRow, ModelRow, SamplingSessionRow, Store
 from lorafleet.train.engine import PreparedItem, TrainItem
 from lorafleet.train.losses import merge_metrics
 from lorafleet.train.optim import AdamHParams
+from lorafleet.verification import publish_verified
 
 log = logging.getLogger(__name__)
 
 LIVE_SUFFIX = "#live"  # adapter id of a model's ephemeral sampler versions
 EPHEMERAL_DIR = "ephemeral"  # under the data dir; wiped at start-up
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    base_model: str
-    dtype: str = "float32"
-    max_adapters: int = 8
-    sampler_slots: int = 16
-    max_lora_rank: int = 32
-    lora_alpha: float = 32.0
-    max_sample_rows: int = 32
-    token_budget: int = 4096
-    ephemeral_keep: int = (
-        8  # files kept per model for save_weights_and_get_sampling_client; 0 = memory only
-    )
-    dist: Any = None  # lorafleet.distributed.stack.DistConfig: sharded trainer ranks / Ray placement; None = one process
 
 
 @dataclass
@@ -77,61 +69,6 @@ class LiveModel:
     session_id: str
     slot: int
     base_model: str
-
-
-# ------------------------------------------------------------------ payloads (built by service.py)
-
-
-@dataclass
-class CreateArgs:
-    session_id: str
-    base_model: str
-    lora: dict[str, Any]  # rank, seed, alpha, train_attn, train_mlp, train_unembed
-    user_metadata: dict[str, Any] | None
-
-
-@dataclass
-class FromStateArgs:
-    session_id: str
-    base_model: str | None
-    checkpoint: CheckpointRow
-    optimizer: bool
-    user_metadata: dict[str, Any] | None
-
-
-@dataclass
-class LoadArgs:
-    checkpoint: CheckpointRow
-    optimizer: bool
-
-
-@dataclass
-class SaveArgs:
-    name: str
-    overwrite: bool
-    expires_at: float | None
-    user_metadata: dict[str, Any] | None
-
-
-@dataclass
-class SaveSamplerArgs:
-    name: str | None  # None: ephemeral, for save_weights_and_get_sampling_client
-    sampling_session_seq_id: int | None
-    expires_at: float | None
-    user_metadata: dict[str, Any] | None
-
-
-@dataclass
-class SampleArgs:
-    prompt: list[int]
-    params: SamplingParams
-    num_samples: int
-    prompt_logprobs: bool
-    topk_prompt: int
-    topk_sample: int
-    last_n: int | None
-    adapter: tuple[str, int] | None  # sampler version key; None = base model
-    checkpoint_path: str | None  # tinker path whose files back `adapter` (None: ephemeral)
 
 
 def _user(exc: Exception, prefix: str = "") -> Result:
@@ -157,7 +94,6 @@ class Executor:
         self.config = config
         self.store = store
         self.data_dir = data_dir
-        self.scheduler: Scheduler | None = None  # set by the server once both exist
         base = load_base(config.base_model, dtype=config.dtype)
         self.base_id = base.model_id  # preset name or absolute dir: what checkpoints record
         self.base_path = base.path
@@ -167,47 +103,24 @@ class Executor:
         self.context_length = int(getattr(model_config, "max_position_embeddings", 0) or 0) or None
         # Resolved before wrapping: afterwards the linears sit inside LoRA wrappers.
         self._targets: dict[tuple[bool, bool, bool], tuple[str, ...] | TargetError] = {}
-        for combo in itertools.product((False, True), repeat=3):
+        for attn, mlp, unembed in itertools.product((False, True), repeat=3):
             try:
-                self._targets[combo] = resolve_tinker_targets(
-                    base.model, train_attn=combo[0], train_mlp=combo[1], train_unembed=combo[2]
+                self._targets[(attn, mlp, unembed)] = resolve_tinker_targets(
+                    base.model, train_attn=attn, train_mlp=mlp, train_unembed=unembed
                 )
             except TargetError as exc:
-                self._targets[combo] = exc
+                self._targets[(attn, mlp, unembed)] = exc
         everything = self._targets[(True, True, True)]
         if isinstance(everything, TargetError):
             raise everything
-        if (
-            config.dist is not None
-        ):  # same engine interfaces, run by trainer ranks / sampler replicas
-            from lorafleet.distributed.stack import build_dist_stack
-
-            self.stack: Any = build_dist_stack(config, base, everything)
-        else:
-            self.stack = colocate(
-                base.model,
-                everything,
-                base_model_id=base.model_id,
-                tokenizer=base.tokenizer,
-                train_slots=config.max_adapters,
-                sample_slots=config.sampler_slots,
-                r_max=config.max_lora_rank,
-                max_rows=config.max_sample_rows,
-            )
-        self.trainer = self.stack.trainer
-        self.trainer.token_budget = config.token_budget
-        self.sampler = self.stack.sampler
-        self.versions = self.stack.versions
+        # Same seams whether the engines run here, in trainer ranks or in sampler replicas.
+        self.engines: EngineSet = build_engines(config, base, everything)
+        self.trainer = self.engines.trainer
+        self.sampler = self.engines.sampler
+        self.versions = self.engines.versions
         self.live: dict[str, LiveModel] = {}  # written on the worker thread only
         self.torch_threads: int | None = None  # as seen by the worker thread
-        # Ephemeral sampler versions are backed by files so that LRU eviction from the sampler
-        # bank (many tenants publishing) never loses one a client is about to sample from. Only
-        # the newest few per model are kept, and none survive a restart.
-        self.ephemeral_root = data_dir / EPHEMERAL_DIR
-        if self.ephemeral_root.exists():
-            shutil.rmtree(self.ephemeral_root)
-        self._ephemeral: dict[str, deque[tuple[tuple[str, int], Path | None]]] = {}
-        self._ephemeral_counter: dict[str, int] = {}
+        self.ephemeral = EphemeralRetention(data_dir / EPHEMERAL_DIR, config.ephemeral_keep)
 
     # ================================================================== control ops
     def run_control(self, op: Op) -> Result:
@@ -391,7 +304,7 @@ class Executor:
         live = self._live(op)
         if args.name is None:
             assert args.sampling_session_seq_id is not None
-            sampler_id = f"{live.session_id}:sample:{args.sampling_session_seq_id}"
+            sampler_id = ids.sampling_session_id(live.session_id, args.sampling_session_seq_id)
             if self.store.get_sampling_session(sampler_id) is not None:
                 raise UserError(
                     f"sampling_session_seq_id {args.sampling_session_seq_id} is already used in session {live.session_id}"
@@ -430,12 +343,10 @@ class Executor:
         return Result.json({"path": str(path), "type": "save_weights_for_sampler"})
 
     def _publish_ephemeral(self, live: LiveModel) -> tuple[str, int]:
-        version = self._ephemeral_counter.get(live.model_id, 0)
-        self._ephemeral_counter[live.model_id] = version + 1
-        dest: Path | None = None
+        version = self.ephemeral.next_version(live.model_id)
+        dest = self.ephemeral.directory(live.model_id, version)
         faults.point("export.begin")
-        if self.config.ephemeral_keep > 0:
-            dest = self.ephemeral_root / run_dir_name(live.model_id) / str(version)
+        if dest is not None:
             export_peft(
                 self.trainer.bank,
                 live.slot,
@@ -452,10 +363,7 @@ class Executor:
             version=version,
             path=dest,
         )
-        kept = self._ephemeral.setdefault(live.model_id, deque())
-        kept.append((key, dest))
-        while len(kept) > max(1, self.config.ephemeral_keep):
-            old_key, old_dest = kept.popleft()
+        for old_key, old_dest in self.ephemeral.retain(live.model_id, key, dest):
             self._forget_version(old_key)
             if old_dest is not None:
                 _remove_tree(old_dest)
@@ -466,14 +374,13 @@ class Executor:
             self.versions.drop(key)
 
     # ================================================================== maintenance (via Scheduler.call)
-    def unload_models(self, model_ids: list[str], reason: str) -> None:
+    def unload_models(self, model_ids: list[str]) -> None:
+        """Frees the models' adapter slots; the caller fails what they still have queued."""
         for model_id in model_ids:
             live = self.live.pop(model_id, None)
             if live is not None:
                 self.trainer.free_adapter(live.slot)
             self.store.set_model_status(model_id, "unloaded")
-            if self.scheduler is not None:
-                self.scheduler.forget_model(model_id, reason)
 
     def delete_checkpoint(self, checkpoint: CheckpointRow) -> None:
         self._forget_version((checkpoint.tinker_path, 0))
@@ -574,7 +481,7 @@ class Executor:
             except UnknownVersionError:
                 raise UserError(
                     "these sampler weights came from save_weights_and_get_sampling_client, whose weights are kept only "
-                    f"for the newest {max(1, self.config.ephemeral_keep)} saves of a model and never across a server "
+                    f"for the newest {self.ephemeral.limit} saves of a model and never across a server "
                     "restart; use save_weights_for_sampler(name) for durable weights"
                 ) from None
             return key
@@ -607,16 +514,13 @@ class Executor:
     def start_sample(self, ops: list[Op]) -> list[Result | PendingSample]:
         """Queues the ops' samples into the sampler's running batch (continuous batching across
         requests that arrive at different times); the scheduler then calls `step_sampler`. A
-        sampler without a running batch (remote replicas) runs them to completion here."""
-        submit = getattr(self.sampler, "submit", None)
-        if submit is None:
-            return list(self.run_sample(ops))
+        sampler whose batches run elsewhere (Ray replicas) completes them inside `submit`."""
         results, batch = self._sample_requests(ops)
         items: list[Result | PendingSample] = [
             r if r is not None else Result.error(UserError("request was not run")) for r in results
         ]
         if batch:
-            futures = submit([request for _, _, request in batch])
+            futures = self.sampler.submit([request for _, _, request in batch])
             for (i, args, _), future in zip(batch, futures, strict=True):
                 items[i] = PendingSample(future, partial(self._sample_result, args=args))
         return items
@@ -666,9 +570,7 @@ class Executor:
     # ================================================================== introspection
     def close(self) -> None:
         """Stops what the engines started (trainer ranks, sampler replicas); no-op in one process."""
-        close = getattr(self.stack, "close", None)
-        if close is not None:
-            close()
+        self.engines.close()
 
     def stats(self) -> dict[str, Any]:
         return {

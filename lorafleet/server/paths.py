@@ -40,7 +40,7 @@ class TinkerPath:
 
 def checkpoint_name(name: object, field: str = "path") -> str:
     try:
-        return safe_name(name, field)  # type: ignore[arg-type]
+        return safe_name(name, field)
     except ValueError as exc:
         raise UserError(str(exc)) from None
 

@@ -22,7 +22,7 @@ import torch
 from google.protobuf.message import DecodeError
 from tinker.proto import tinker_public_pb2 as pb
 
-from lorafleet.sample.types import SampleResult
+from lorafleet.sample.types import SampleResult, TopK
 from lorafleet.server.errors import UserError
 
 _NUMPY_DTYPES: dict[int, tuple[str, np.dtype]] = {
@@ -290,6 +290,7 @@ def sample_response(
     if topk_prompt and result.topk_prompt_logprobs is not None:
         rows = list(result.topk_prompt_logprobs)
         if last_n is not None:
-            rows = [None] * max(0, len(rows) - last_n) + rows[max(0, len(rows) - last_n) :]
+            blanks: list[TopK | None] = [None] * max(0, len(rows) - last_n)
+            rows = blanks + rows[max(0, len(rows) - last_n) :]
         out.topk_prompt_logprobs.CopyFrom(_topk(rows, topk_prompt))
     return out.SerializeToString()

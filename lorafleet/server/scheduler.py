@@ -16,8 +16,8 @@ model has run. Across models there is no order, which is what lets one round of 
 Torch work happens only on the worker thread (two cores: one busy thread is the fastest way to
 run it) so the HTTP event loop stays responsive. That includes loading the model: with GNU
 OpenMP, a second thread running parallel torch ops makes the runtime see more threads than
-cores and stop spinning between parallel regions, and every small op then pays a wake-up
-(measured: a decode step ~1.5x slower, small bmm calls ~5x). The worker never raises out of a round: an
+cores and stop spinning between parallel regions, and every small op then pays a wake-up. The
+worker never raises out of a round: an
 executor failure fails that group's futures with a server error and is logged.
 """
 
@@ -30,7 +30,7 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from lorafleet.server.errors import ServerFault, UserError
 from lorafleet.server.futures import FutureTable, Result
@@ -84,11 +84,12 @@ class Executor(Protocol):
 
     def run_optim(self, ops: list[Op]) -> list[Result]: ...
 
-    def run_sample(self, ops: list[Op]) -> list[Result]: ...
-
     def start_sample(self, ops: list[Op]) -> list[Result | PendingSample]: ...
 
     def step_sampler(self) -> bool: ...
+
+
+E = TypeVar("E", bound=Executor)
 
 
 @dataclass
@@ -114,16 +115,17 @@ class Stats:
 
 
 class Scheduler:
+    """The engine worker thread and the queues it drains. The executor it drives is built by
+    `start`, on that thread, so the scheduler exists first and nothing is wired afterwards."""
+
     def __init__(
         self,
-        executor: Executor,
         futures: FutureTable,
         *,
         batch_window_s: float = 0.0,
         gap_timeout_s: float = 600.0,
         sample_slice_s: float = 0.5,
     ):
-        self.executor = executor
         self.futures = futures
         self.batch_window_s = batch_window_s
         self.gap_timeout_s = gap_timeout_s
@@ -141,12 +143,13 @@ class Scheduler:
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self, init: Callable[[], None] | None = None) -> Future[None]:
-        """`init` runs first on the worker thread (torch settings, building the engine); the
-        returned future says when it has, or carries its exception (the worker then stops)."""
-        started: Future[None] = Future()
+    def start(self, build: Callable[[], E]) -> Future[E]:
+        """`build` runs first on the worker thread (torch settings, loading the model) and makes
+        the executor every round then drives; the returned future carries that executor, or
+        `build`'s exception (the worker then stops)."""
+        started: Future[E] = Future()
         self._thread = threading.Thread(
-            target=self._main, args=(init, started), name="lorafleet-engine", daemon=True
+            target=self._main, args=(build, started), name="lorafleet-engine", daemon=True
         )
         self._thread.start()
         return started
@@ -234,16 +237,15 @@ class Scheduler:
             return True
         return any(self._next_seq.get(m) in q for m, q in self._queues.items() if q)
 
-    def _main(self, init: Callable[[], None] | None, started: Future[None]) -> None:
+    def _main(self, build: Callable[[], E], started: Future[E]) -> None:
         try:
-            if init is not None:
-                init()
+            executor = build()
         except BaseException as exc:  # noqa: BLE001 - handed to whoever started the worker
             with self._cond:
                 self._stopping = True
             started.set_exception(exc)
             return
-        started.set_result(None)
+        started.set_result(executor)
         while True:
             with self._cond:
                 while not self._stopping and (self._paused or not self._ready()):
@@ -253,9 +255,9 @@ class Scheduler:
                     return
             if self.batch_window_s > 0:
                 time.sleep(self.batch_window_s)
-            self._round()
+            self._round(executor)
 
-    def _round(self) -> None:
+    def _round(self, executor: Executor) -> None:
         self.stats.rounds += 1
         with self._cond:
             calls, self._calls = self._calls, []
@@ -267,27 +269,24 @@ class Scheduler:
                     future.set_exception(exc)
 
         for op in self._take_control():
-            self._run_group("control", [op], lambda ops: [self.executor.run_control(ops[0])])
+            self._run_group("control", [op], lambda ops: [executor.run_control(ops[0])])
         train = self._take_heads(lambda kind: kind in TRAIN_KINDS, consecutive=True)
         if train:
-            self._run_group("forward_backward", train, self.executor.run_train)
+            self._run_group("forward_backward", train, executor.run_train)
         optim = self._take_heads(lambda kind: kind == OPTIM_KIND, consecutive=False)
         if optim:
-            self._run_group("optim_step", optim, self.executor.run_optim)
+            self._run_group("optim_step", optim, executor.run_optim)
         with self._cond:
             samples = [op for op in self._unordered if op.kind == SAMPLE_KIND]
             self._unordered = [op for op in self._unordered if op.kind != SAMPLE_KIND]
         if samples:
-            if hasattr(self.executor, "start_sample"):
-                self._start_samples(samples)
-            else:  # an executor without a running batch: one blocking generation
-                self._run_group("sample", samples, self.executor.run_sample)
+            self._start_samples(executor, samples)
         if self._sampling:
-            self._step_sampler()
+            self._step_sampler(executor)
 
-    def _start_samples(self, ops: list[Op]) -> None:
+    def _start_samples(self, executor: Executor, ops: list[Op]) -> None:
         try:
-            started = self.executor.start_sample(ops)
+            started = executor.start_sample(ops)
             if len(started) != len(ops):
                 raise RuntimeError(
                     f"sample: executor returned {len(started)} results for {len(ops)} ops"
@@ -308,14 +307,14 @@ class Scheduler:
             else:
                 self._finish(op, item)
 
-    def _step_sampler(self) -> None:
+    def _step_sampler(self, executor: Executor) -> None:
         """Advances the running sample batch for up to `sample_slice_s` while other work waits
         (as long as it likes when nothing else does), finishing requests as they complete.
         New sample requests end the slice at once, so that they join the batch quickly."""
         deadline = time.monotonic() + self.sample_slice_s
         while self._sampling:
             try:
-                progressed = self.executor.step_sampler()
+                progressed = executor.step_sampler()
             except Exception:
                 log.exception(
                     "engine failure in a sampling step (%d request(s) running)", len(self._sampling)

@@ -8,7 +8,7 @@ modules whose names it did not recognise. Three rules here close those doors:
   under that name and never changed afterwards, so a request names exactly what it must run;
 - every `RolloutRequest` names its adapter version, or the `BASE` sentinel when the base model
   is really wanted; there is no default, and `None` is refused;
-- every sync is followed by a canary check (verify.py), and a failed one raises.
+- every sync is followed by a canary check (lorafleet.canary), and a failed one raises.
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import torch
 
 from lorafleet.adapters.peft_io import peft_config
+from lorafleet.canary import SyncVerificationError, layers_are_zero
 from lorafleet.fsio import safe_name
-from lorafleet.model.banks import AdapterSpec, BankSet
-from lorafleet.sample.verify import SyncVerificationError
+from lorafleet.interfaces import AdapterBank
+from lorafleet.model.banks import AdapterSpec
 
 __all__ = [
     "BASE",
@@ -241,7 +242,7 @@ class AdapterUpdate:
     """
 
     version: AdapterVersion
-    bank: BankSet
+    bank: AdapterBank  # the trainer's (a BankSet, or a sharded trainer's mirror of one)
     slot: int
     base_model_id: str
     _weights: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = field(default=None, repr=False)
@@ -271,7 +272,7 @@ class AdapterUpdate:
 
     def is_zero(self) -> bool:
         """True when the LoRA delta is exactly zero (a fresh adapter: B = 0)."""
-        return all(not (bool(A.any()) and bool(B.any())) for A, B in self.weights().values())
+        return layers_are_zero(self.weights().values())
 
 
 class InFlight:

@@ -18,9 +18,9 @@ from collections.abc import Sequence
 
 import torch
 
+from lorafleet.canary import tolerance_for
 from lorafleet.sample.engine import SampleEngine
 from lorafleet.sample.types import SampleRequest, SamplingParams
-from lorafleet.sample.verify import TOLERANCES
 from lorafleet.sample.versions import UnknownVersionError, VersionError
 from lorafleet.sync.base import (
     AdapterUpdate,
@@ -62,7 +62,7 @@ class EmbeddedEngine:
 
     @property
     def canary_tolerance(self) -> float:
-        return TOLERANCES[self.dtype]
+        return tolerance_for(self.dtype, same_implementation=True)
 
     # ------------------------------------------------------------------ rollouts
     def generate(self, requests: Sequence[RolloutRequest]) -> list[RolloutResult]:

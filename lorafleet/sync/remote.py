@@ -19,10 +19,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Literal
+from typing import Final, Literal
 
 import torch
 
+from lorafleet.canary import tolerance_for
 from lorafleet.sync.base import (
     AdapterUpdate,
     AdapterVersion,
@@ -40,11 +41,10 @@ from lorafleet.sync.base import (
 from lorafleet.sync.files import Staging, stage_peft
 from lorafleet.sync.httpclient import DEFAULT_TIMEOUT_S, JsonClient
 from lorafleet.sync.merged import PristineBase, merged_name
-from lorafleet.sync.verify import tolerance_for
 
 __all__ = ["HttpEngine", "RequestPlan"]
 
-_UNKNOWN = "unknown"
+_UNKNOWN: Final = "unknown"
 WeightsState = Literal["base", "unknown"] | AdapterVersion
 
 
@@ -208,13 +208,14 @@ class HttpEngine:
             self._loaded.add(version)
 
     def _load_merged(self, update: AdapterUpdate) -> None:
-        if self.pristine is None or self.staging is None:
+        pristine, staging = self.pristine, self.staging
+        if pristine is None or staging is None:
             raise SyncError(
                 f"{self.kind} engine: merged sync needs a PristineBase and a staging target"
             )
         version = update.version
         name = merged_name(version.name)
-        path = self.staging.stage(name, lambda dest: self.pristine.write(update, dest))
+        path = staging.stage(name, lambda dest: pristine.write(update, dest))
         with self._lock:
             self._staged[version] = name
         try:

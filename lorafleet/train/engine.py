@@ -21,29 +21,22 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from lorafleet.adapters.checkpoint import (
-    TrainingState,
-    apply_training_state,
-    read_training_state,
-    save_training_state,
-)
+from lorafleet.adapters.checkpoint import TrainingState, read_training_state
 from lorafleet.adapters.peft_io import export_peft, import_peft
 from lorafleet.model.adapted import AdaptedModel
 from lorafleet.model.banks import AdapterSpec, BankSet
-from lorafleet.model.routing import BASE_SLOT
+from lorafleet.model.routing import Routing
+from lorafleet.train.canary_probe import trainer_canary_logprobs
+from lorafleet.train.checkpointing import apply_training_state, save_training_state
+from lorafleet.train.items import ItemLimits, PreparedItem, TrainInputError, TrainItem
 from lorafleet.train.layout import Layout, Unit, build_layout, find_groups, plan_units, singles
-from lorafleet.train.losses import (
-    LossSpec,
-    compute_loss,
-    gradient_mask,
-    loss_targets,
-    merge_metrics,
-    validate_loss,
-)
+from lorafleet.train.loss_inputs import loss_targets
+from lorafleet.train.losses import compute_loss, gradient_mask, merge_metrics
 from lorafleet.train.optim import AdamHParams, BankAdamW
 
 DEFAULT_TOKEN_BUDGET = 4096
@@ -51,32 +44,6 @@ DEFAULT_TOKEN_BUDGET = 4096
 SPLIT_HEAD_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe"})
 """Families whose logits are exactly `lm_head(model.model(...).last_hidden_state)` (the ones we
 ship presets for). Only these run shared prefixes and a partial head; see `_decoder_and_head`."""
-
-
-class TrainInputError(ValueError):
-    """An item that cannot be trained on; the message names the item, field and value."""
-
-
-@dataclass
-class TrainItem:
-    """One datum: model input tokens, the adapter slot, and what its loss needs."""
-
-    slot: int
-    tokens: torch.Tensor | Sequence[int]
-    loss_fn: str
-    loss_inputs: Mapping[str, torch.Tensor]
-    loss_config: Mapping[str, float] | None = None
-
-
-@dataclass(frozen=True)
-class PreparedItem:
-    slot: int
-    tokens: torch.Tensor  # int64 [T], on CPU
-    loss: LossSpec
-
-    @property
-    def length(self) -> int:
-        return int(self.tokens.numel())
 
 
 @dataclass
@@ -118,7 +85,7 @@ class TrainEngine:
         self.bank: BankSet = adapted.bank(bank)
         self.base_model_id = base_model_id
         self.token_budget = token_budget
-        model = adapted.model
+        model: Any = adapted.model  # an HF causal LM; nn.Module types its accessors as Tensor
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
         self.max_length = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
         self.device = self.bank.params.device
@@ -128,7 +95,7 @@ class TrainEngine:
         self.head_grad_where_needed = head_grad_where_needed
         self.optimizer: BankAdamW | None = None
         if with_optimizer:
-            if not self.bank.trainable:
+            if self.bank.grads is None:  # not `trainable`
                 raise ValueError(f"bank {bank!r} is inference-only; create it with trainable=True")
             self.optimizer = BankAdamW(self.bank.params, self.bank.grads)
         self.hparams: dict[int, AdamHParams] = {}
@@ -155,56 +122,11 @@ class TrainEngine:
     def prepare(
         self, items: Sequence[TrainItem], *, allow_base: bool = False
     ) -> list[PreparedItem]:
-        """Validates every item before anything runs; raises TrainInputError on the first bad one.
+        """Validates every item before anything runs (see `ItemLimits.prepare`)."""
+        return self._item_limits().prepare(items, allow_base=allow_base)
 
-        `allow_base` also accepts slot 0 (BASE_SLOT), the frozen base model: forward-only
-        scoring, e.g. a weight sync checking that an engine runs the trainer's base."""
-        if not items:
-            raise TrainInputError("no items to run")
-        return [self._prepare_one(i, item, allow_base) for i, item in enumerate(items)]
-
-    def _prepare_one(self, index: int, item: TrainItem, allow_base: bool = False) -> PreparedItem:
-        where = f"datum {index}"
-        slot = item.slot
-        if (
-            not isinstance(slot, int)
-            or isinstance(slot, bool)
-            or (
-                not (allow_base and slot == BASE_SLOT)
-                and (not 1 <= slot < self.bank.num_slots or self.bank.slots[slot] is None)
-            )
-        ):
-            raise TrainInputError(
-                f"{where}: slot {slot!r} holds no adapter in bank {self.bank.name!r}"
-            )
-        tokens = torch.as_tensor(item.tokens)
-        if tokens.numel() == 0:
-            raise TrainInputError(f"{where}: model input is empty")
-        if tokens.dtype.is_floating_point or tokens.dtype == torch.bool or tokens.dtype.is_complex:
-            raise TrainInputError(
-                f"{where}: model input tokens must be integers, got dtype {tokens.dtype}"
-            )
-        tokens = tokens.to(torch.int64).reshape(-1) if tokens.dim() <= 1 else tokens
-        if tokens.dim() != 1:
-            raise TrainInputError(
-                f"{where}: model input tokens must be 1-D, got shape {tuple(tokens.shape)}"
-            )
-        length = int(tokens.numel())
-        if self.max_length is not None and length > self.max_length:
-            raise TrainInputError(
-                f"{where}: model input has {length} tokens, more than the context length {self.max_length}"
-            )
-        low, high = int(tokens.min()), int(tokens.max())
-        if low < 0 or high >= self.vocab_size:
-            bad = low if low < 0 else high
-            position = int(((tokens == bad).nonzero())[0])
-            raise TrainInputError(
-                f"{where}: model input token id {bad} at position {position} is outside the vocabulary [0, {self.vocab_size})"
-            )
-        spec = validate_loss(
-            item.loss_fn, item.loss_inputs, item.loss_config, length, self.vocab_size, where=where
-        )
-        return PreparedItem(slot=slot, tokens=tokens.cpu(), loss=spec)
+    def _item_limits(self) -> ItemLimits:
+        return ItemLimits(self.bank, self.vocab_size, self.max_length)
 
     # ---------------------------------------------------------------- compute
     def forward(self, items: Sequence[TrainItem] | Sequence[PreparedItem]) -> BatchOutput:
@@ -213,6 +135,10 @@ class TrainEngine:
         with torch.no_grad():
             return self._run(prepared, backward=False)
 
+    def canary_logprobs(self, slot: int | None, tokens: Sequence[int]) -> torch.Tensor:
+        """The trainer's side of the canary (see `trainer_canary_logprobs`); None = base."""
+        return trainer_canary_logprobs(self, slot, tokens)
+
     def forward_backward(self, items: Sequence[TrainItem] | Sequence[PreparedItem]) -> BatchOutput:
         """Accumulates each item's loss gradient into its adapter's gradient row."""
         if not self.bank.trainable:
@@ -220,13 +146,10 @@ class TrainEngine:
         prepared = self._ensure_prepared(items)
         return self._run(prepared, backward=True)
 
-    def _ensure_prepared(self, items, *, allow_base: bool = False) -> list[PreparedItem]:
-        if items and all(isinstance(item, PreparedItem) for item in items):
-            for item in items:
-                if not (allow_base and item.slot == BASE_SLOT):
-                    self.bank.check_slot(item.slot)  # still allocated since it was prepared
-            return list(items)
-        return self.prepare(items, allow_base=allow_base)
+    def _ensure_prepared(
+        self, items: Sequence[TrainItem] | Sequence[PreparedItem], *, allow_base: bool = False
+    ) -> list[PreparedItem]:
+        return self._item_limits().ensure_prepared(items, allow_base=allow_base)
 
     def _run(self, prepared: list[PreparedItem], *, backward: bool) -> BatchOutput:
         outputs: dict[int, ItemOutput] = {}
@@ -237,9 +160,10 @@ class TrainEngine:
         # Each micro-batch checks its losses before its backward; if a later one fails, the
         # gradients earlier ones already added are rolled back, so the call is all or nothing.
         snapshot = None
-        if backward and len(batches) > 1:
+        grads = self.bank.grads  # None only for an inference-only bank, which never runs backward
+        if backward and len(batches) > 1 and grads is not None:
             used = sorted(set(slots))
-            snapshot = (used, self.bank.grads[used].clone())
+            snapshot = (grads, used, grads[used].clone())
         tokens_run = 0
         try:
             for batch in batches:
@@ -248,9 +172,9 @@ class TrainEngine:
                 tokens_run += layout.tokens_run
         except Exception:
             if snapshot is not None:
-                used, saved = snapshot
+                bank_grads, used, saved = snapshot
                 with torch.no_grad():
-                    self.bank.grads[used] = saved
+                    bank_grads[used] = saved
             raise
         distinct = tuple(sorted(set(slots)))
         if backward and self.optimizer is not None:
@@ -327,7 +251,7 @@ class TrainEngine:
             torch.stack(losses).sum().backward()
         return outputs
 
-    def _routing(self, slot_ids: torch.Tensor):
+    def _routing(self, slot_ids: torch.Tensor) -> contextlib.AbstractContextManager[Routing]:
         return self.adapted.routing(self.bank.name, slot_ids.to(self.device))
 
     def _features(self, layout: Layout) -> torch.Tensor:
@@ -492,7 +416,8 @@ def _decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
 
         if isinstance(model, FSDPModule):
             return None
-    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    causal_lm: Any = model  # an HF causal LM; nn.Module types its accessors as Tensor
+    decoder, head = causal_lm.get_decoder(), causal_lm.get_output_embeddings()
     if not isinstance(decoder, nn.Module) or not isinstance(head, nn.Module):
         return None
     return decoder, head

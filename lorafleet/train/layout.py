@@ -159,14 +159,19 @@ class Rows:
     input_ids: torch.Tensor  # int64 [rows, width]
     attention_mask: torch.Tensor  # int64 [rows, cached + width]
     slot_ids: torch.Tensor  # int64 [rows, width]
-    position_ids: torch.Tensor | None = None  # int64 [rows, width]; None: 0, 1, ...
-    # int64 [rows]: for rows that extend a cache, the first-forward row whose cache each extends
-    cache_rows: torch.Tensor | None = None
 
     @property
     def real(self) -> torch.Tensor:
         """Bool [rows, width]: positions holding tokens (row-major order = hidden-state order)."""
         return self.attention_mask[:, -self.input_ids.shape[1] :].bool()
+
+
+@dataclass(frozen=True)
+class CachedRows(Rows):
+    """Rows that extend the first forward's KV cache, so their positions do not start at 0."""
+
+    position_ids: torch.Tensor  # int64 [rows, width]
+    cache_rows: torch.Tensor  # int64 [rows]: the first-forward row whose cache each extends
 
 
 @dataclass(frozen=True)
@@ -176,7 +181,7 @@ class Layout:
     flattened real positions of both (first forward's rows, then the second's)."""
 
     first: Rows
-    second: Rows | None
+    second: CachedRows | None
     positions: dict[int, torch.Tensor]  # item index -> int64 [length]: hidden row per position
     hidden_slots: torch.Tensor  # int64 [hidden rows]: the slot of each hidden row
     tokens_run: int
@@ -193,7 +198,7 @@ def build_layout(
     second = [tokens[i][units[row].prefix :] for row, i in members]
     second_rows = None
     if members:
-        second_rows = _rows(
+        second_rows = _cached_rows(
             second,
             [slots[i] for _, i in members],
             cache_width=first_rows.input_ids.shape[1],
@@ -225,7 +230,6 @@ def _rows(
     *,
     cache_width: int = 0,
     prefixes: Sequence[int] | None = None,
-    cache_rows: Sequence[int] | None = None,
 ) -> Rows:
     """Right-pads `seqs`. Rows that extend a cache (`cache_width` columns, of which row r's first
     `prefixes[r]` are real) attend to its real prefix, never to its padding, and continue its
@@ -241,7 +245,25 @@ def _rows(
     slot_ids = (
         torch.tensor(list(row_slots), dtype=torch.int64)[:, None].expand(-1, width).contiguous()
     )
-    if prefixes is None:
-        return Rows(input_ids, mask, slot_ids)
+    return Rows(input_ids, mask, slot_ids)
+
+
+def _cached_rows(
+    seqs: Sequence[torch.Tensor],
+    row_slots: Sequence[int],
+    *,
+    cache_width: int,
+    prefixes: Sequence[int],
+    cache_rows: Sequence[int],
+) -> CachedRows:
+    """`_rows` for rows that extend the cache rows `cache_rows`, positioned after their prefix."""
+    rows = _rows(seqs, row_slots, cache_width=cache_width, prefixes=prefixes)
+    width = rows.input_ids.shape[1]
     positions = torch.tensor(list(prefixes))[:, None] + torch.arange(width)
-    return Rows(input_ids, mask, slot_ids, positions, torch.tensor(list(cache_rows or [])))
+    return CachedRows(
+        rows.input_ids,
+        rows.attention_mask,
+        rows.slot_ids,
+        positions,
+        torch.tensor(list(cache_rows)),
+    )

@@ -10,12 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lorafleet.adapters.checkpoint import (
-    CheckpointError,
-    read_training_state,
-    restore_training_state,
-    save_training_state,
-)
+from lorafleet.adapters.checkpoint import CheckpointError, read_training_state
 from lorafleet.fsio import (
     atomic_directory,
     atomic_save_safetensors,
@@ -27,6 +22,7 @@ from lorafleet.fsio import (
 from lorafleet.model.adapted import AdaptedModel
 from lorafleet.model.banks import AdapterSpec, BankError
 from lorafleet.model.targets import resolve_tinker_targets
+from lorafleet.train.checkpointing import restore_training_state, save_training_state
 from lorafleet.train.optim import AdamHParams, BankAdamW
 from tests._models import tiny_qwen3
 

@@ -264,8 +264,8 @@ def test_a_non_finite_loss_on_one_rank_fails_the_batch_on_all(engines):
 
 def test_base_model_scoring_through_the_ranks_matches_one_process(engines):
     """Slot 0 (the base) scored by `forward` on the ranks, as a weight sync's base check does
-    (`sync.verify.trainer_logprobs(trainer, None, ...)`, which used to need a local model)."""
-    from lorafleet.sync.verify import trainer_logprobs
+    (`trainer_canary_logprobs(trainer, None, ...)`, which used to need a local model)."""
+    from lorafleet.train.canary_probe import trainer_canary_logprobs as trainer_logprobs
 
     sharded, single = engines
     items = [sft(0, 70, 9), sft(0, 71, 30), sft(0, 72, 5)]  # several micro-batches, rows dealt

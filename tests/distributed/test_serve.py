@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 from tinker import types
 
-from lorafleet.distributed.stack import DistConfig
+from lorafleet.distributed.placement import DistConfig
 from lorafleet.server.main import ServerThread
 from tests.server.conftest import KEY_A, connect, server_config, sl_datum
 
@@ -70,7 +70,7 @@ def test_serve_on_ray_with_two_sampler_replicas(ray_cluster, tmp_path, one_torch
         pool = server.service.executor.sampler
         sdk_round_trip(server)
         # every version the server published reached both replicas
-        keys = set(pool.resident())
+        keys = set(pool.versions.resident())
         assert keys and all(keys <= set(pool.known_on(i)) for i in range(2))
     finally:
         server.stop()

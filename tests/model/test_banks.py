@@ -8,7 +8,9 @@ import math
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, LlamaConfig
 
+from lorafleet.model import kernels
 from lorafleet.model.adapted import AdaptedModel
 from lorafleet.model.banks import AdapterSpec, BankError, init_seed, kaiming_uniform_A
 from lorafleet.model.routing import RoutingError
@@ -204,15 +206,77 @@ def test_bf16_base_matches_peft_within_dtype_tolerance():
         )
 
 
-def test_odd_shapes_fall_back_to_loop_kernel_automatically():
-    model = tiny_llama().to(
-        torch.bfloat16
-    )  # hidden 48 * 2 bytes is fine, 72 * 2 = 144 too; rank 3 is not
-    adapted = AdaptedModel(model, resolve_tinker_targets(model))
-    bank = adapted.add_bank("train", num_slots=3, r_max=3)
-    bank.allocate(AdapterSpec(rank=3, alpha=3.0))
-    with torch.no_grad(), adapted.routing("train", bank.slot_ids_for_rows([1, 0], 4)):
-        adapted.model(torch.zeros(2, 4, dtype=torch.long))
+def _tiny_llama_odd() -> torch.nn.Module:
+    """tiny_llama with an MLP width of 70: in fp32 (the banks' dtype) 70 and the vocab's 90 are
+    not multiples of 16 bytes, so down_proj's A, gate/up's B and the tied head's B break
+    grouped_mm's stride rule; every other bank view (hidden 48, r_store 8) keeps it."""
+    config = LlamaConfig(
+        hidden_size=48,
+        intermediate_size=70,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=90,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        config, dtype=torch.float32, attn_implementation="sdpa"
+    )
+    return model.eval()
+
+
+def test_odd_shapes_fall_back_to_loop_kernel_automatically(monkeypatch):
+    with pytest.raises(ValueError, match="kernel 'grouped' cannot run"):
+        adapted, bank = _build(_tiny_llama_odd, kernel="grouped")
+        with adapted.routing("train", bank.slot_ids_for_rows([1, 0], 4)):
+            adapted.model(torch.zeros(2, 4, dtype=torch.long))
+
+    ran: list[tuple[tuple[int, ...], str]] = []
+    segment_matmul = kernels._segment_matmul
+
+    def spy(xs, W, routing, impl):
+        ran.append((tuple(W.shape[1:]), impl))
+        return segment_matmul(xs, W, routing, impl)
+
+    monkeypatch.setattr(kernels, "_segment_matmul", spy)
+    adapted, bank = _build(_tiny_llama_odd)  # kernel "auto"
+    input_ids = torch.randint(
+        0, 90, (len(ROW_SLOTS), SEQ), generator=torch.Generator().manual_seed(1)
+    )
+    loss_w = _row_loss_weights(90)
+    # With autograd on, the native CPU kernels never run: the torch kernels pick per shape.
+    with adapted.routing("train", bank.slot_ids_for_rows(ROW_SLOTS, SEQ)):
+        logits = adapted.model(input_ids).logits
+    (logits * loss_w).sum().backward()
+
+    odd = {70, 90}
+    assert ran, "no LoRA matmul ran"
+    for shape, impl in ran:
+        assert impl == ("loop" if odd & set(shape) else "grouped"), (shape, impl)
+    assert {impl for _, impl in ran} == {"loop", "grouped"}
+
+    # The fallback computes what PEFT computes, values and gradients.
+    odd_paths = [
+        p for p, layer in bank.layers.items() if odd & {layer.in_features, layer.out_features}
+    ]
+    assert any("down_proj" in p for p in odd_paths) and any("lm_head" in p for p in odd_paths)
+    for slot, spec in enumerate(SPECS, start=1):
+        rows = [i for i, s in enumerate(ROW_SLOTS) if s == slot]
+        peft_model = _peft_model(_tiny_llama_odd, spec, bank.slot_weights(slot))
+        peft_logits = peft_model(input_ids[rows]).logits
+        torch.testing.assert_close(
+            logits[rows].detach(), peft_logits.detach(), atol=1e-4, rtol=1e-4
+        )
+        (peft_logits * loss_w[rows]).sum().backward()
+        named = dict(peft_model.named_parameters())
+        for path in odd_paths:
+            layer_bank = bank.layer_banks[path]
+            gA = named[f"base_model.model.{path}.lora_A.default.weight"].grad
+            gB = named[f"base_model.model.{path}.lora_B.default.weight"].grad
+            _assert_close_to_scale(layer_bank.A.grad[slot, : spec.rank], gA, 1e-3)
+            _assert_close_to_scale(layer_bank.B.grad[slot, :, : spec.rank], gB, 1e-3)
 
 
 def test_init_is_peft_like_deterministic_and_slot_independent():

@@ -8,7 +8,6 @@ import torch
 from torch import nn
 from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
-from lorafleet.adapters.checkpoint import restore_training_state, save_training_state
 from lorafleet.model.adapted import AdaptedModel
 from lorafleet.model.banks import AdapterSpec
 from lorafleet.model.experts import (
@@ -24,6 +23,7 @@ from lorafleet.model.targets import (
     resolve_target_parameters,
     resolve_tinker_targets,
 )
+from lorafleet.train.checkpointing import restore_training_state, save_training_state
 from lorafleet.train.engine import TrainEngine, TrainItem
 from lorafleet.train.optim import AdamHParams
 
@@ -504,8 +504,8 @@ def test_expert_lora_checkpoints_and_slot_copies_like_dense(tmp_path, one_torch_
 
 
 def test_sampler_mixed_batch_equals_each_alone_and_matches_the_trainer(one_torch_thread):
+    from lorafleet.engines import colocate
     from lorafleet.sample import SampleRequest, SamplingParams
-    from lorafleet.sample.colocate import colocate
 
     model = _model()
     stack = colocate(

@@ -24,11 +24,14 @@ needs_compiler = pytest.mark.skipif(
 )
 
 
-@pytest.fixture
-def nk() -> native.NativeKernels:
-    loaded = native.kernels()
-    assert loaded is not None, native.status()
-    return loaded
+# Every instruction-set path this CPU can run (avx512, avx2, generic on an AVX-512 machine):
+# the value and bit-identity tests below run on each one, not only on the one chosen here.
+RUNNABLE_PATHS = native.runnable_paths() if shutil.which("cc") else []
+
+
+@pytest.fixture(params=RUNNABLE_PATHS)
+def nk(request) -> native.NativeKernels:
+    return native.kernels_for(request.param)
 
 
 def _routing(slot_ids: list[int], slots: int) -> tuple:
@@ -195,6 +198,57 @@ def test_lora_add_is_shrink_then_expand_bit_for_bit(nk, dtype, in_features, R, o
     assert not torch.equal(got, y0)
 
 
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_instruction_set_path_gives_the_same_bits(dtype):
+    """avx512, avx2 and generic builds of one source: the same hidden and output bits, so a
+    result never depends on which machine of a fleet computed it."""
+    if len(RUNNABLE_PATHS) < 2:
+        pytest.skip(f"only {RUNNABLE_PATHS} can run here")
+    gen = torch.Generator().manual_seed(23)
+    slot_ids = [2, 0, 3, 2, 2, 0, 2, 2, 2, 2, 1, 3, 1, 2, 2, 2, 2, 2, 2, 2, 2, 1]
+    routing, _ = _routing(slot_ids, 4)
+    results = {}
+    for in_features, R, out in [(40, 8, 24), (100, 12, 200), (576, 16, 1536), (72, 3, 19)]:
+        A = torch.randn(4, R, in_features, generator=gen)
+        B = torch.randn(4, R, out, generator=gen).transpose(1, 2)
+        x = torch.randn(len(slot_ids), in_features, generator=gen).to(dtype)
+        y0 = torch.randn(len(slot_ids), out, generator=gen).to(dtype)
+        plan = native.layer_plan(A, B)
+        assert plan is not None
+        for path in RUNNABLE_PATHS:
+            nk = native.kernels_for(path)
+            hidden = native.shrink(nk, x, routing.order, routing.segments, A, routing.token_scale)
+            y = y0.clone()
+            native.expand_add(nk, hidden, B, routing.order, routing.segments, y)
+            fused = y0.clone()
+            native.lora_add(nk, plan, routing.native_plan, x, fused)
+            results.setdefault((in_features, R, out), {})[path] = (hidden, y, fused)
+    for shape, by_path in results.items():
+        first = RUNNABLE_PATHS[0]
+        for path, (hidden, y, fused) in by_path.items():
+            assert torch.equal(hidden, by_path[first][0]), (shape, path)
+            assert torch.equal(y, by_path[first][1]), (shape, path)
+            assert torch.equal(fused, by_path[first][2]), (shape, path)
+
+
+def test_the_chosen_path_follows_the_cpu_and_the_override(monkeypatch):
+    runnable = native.runnable_paths()
+    assert native.chosen_path() == runnable[0]
+    monkeypatch.setenv(native.ENV_ISA, runnable[-1])
+    assert native.chosen_path() == runnable[-1]
+    monkeypatch.setenv(native.ENV_ISA, "no-such-path")
+    with pytest.raises(native.NativeKernelError, match="LORAFLEET_NATIVE_ISA='no-such-path'"):
+        native.chosen_path()
+
+
+def test_an_unrunnable_forced_path_turns_the_kernels_off_with_the_reason(monkeypatch, fresh_load):
+    monkeypatch.setenv(native.ENV_ISA, "no-such-path")
+    assert native.kernels() is None
+    assert "is not a path this CPU can run" in native.status()
+    assert native.path_name() == "torch"
+
+
 def test_layer_plan_only_for_the_layout_the_kernels_read():
     A = torch.zeros(3, 8, 16)
     B = torch.zeros(3, 8, 24).transpose(1, 2)  # rank-major, as banks.py stores it
@@ -259,6 +313,7 @@ def test_no_grad_forward_runs_native_and_matches_torch(monkeypatch):
     slot_ids = torch.tensor([[1] * 5, [0] * 5, [2] * 5, [1] * 5])
     input_ids = torch.randint(0, 90, (4, 5), generator=torch.Generator().manual_seed(1))
     calls: list[native.LayerPlan] = []
+    native.require()  # built and self-checked now: the first load's self-check calls lora_add too
     real_lora_add = native.lora_add
 
     def counting_lora_add(nk, layer, *args):
@@ -320,9 +375,9 @@ def test_native_for_rules():
 def fresh_load(monkeypatch, tmp_path):
     """A clean `_load` cache and a private lorafleet cache; restored afterwards."""
     monkeypatch.setenv("LORAFLEET_CACHE", str(tmp_path / "cache"))
-    native._load.cache_clear()
+    native._load_path.cache_clear()
     yield tmp_path
-    native._load.cache_clear()
+    native._load_path.cache_clear()
 
 
 def test_switch_turns_the_kernels_off(monkeypatch, fresh_load):
@@ -360,7 +415,7 @@ def test_build_is_private_cached_and_keyed_by_source(monkeypatch, fresh_load):
     changed = fresh_load / "lora_cpu.c"
     changed.write_text(native.SOURCE.read_text() + "\n/* changed */\n")
     monkeypatch.setattr(native, "SOURCE", changed)
-    native._load.cache_clear()
+    native._load_path.cache_clear()
     rebuilt = native.kernels()
     assert rebuilt is not None and rebuilt.path != library
 

@@ -346,7 +346,7 @@ def test_smollm2_dequantized_weights_are_right():
     assert (path / "tokenizer.json").is_file() and (path / "model.safetensors").is_file()
     assert "quantization_config" not in (path / "config.json").read_text()
 
-    base = load_base("smollm2-135m", dtype="bf16")
+    base = load_base("smollm2-135m", dtype="auto")
     model, tok = base.model, base.tokenizer
     n_params = sum(p.numel() for p in model.parameters())
     assert n_params == pytest.approx(134.5e6, rel=1e-3)

@@ -12,8 +12,8 @@ import zstandard
 from lorafleet.server import faults, recovery, schemas
 from lorafleet.server.errors import UserError
 from lorafleet.server.futures import FutureTable
+from lorafleet.server.requests import unzstd
 from lorafleet.server.scheduler import MAX_SEQ_AHEAD, Op, Scheduler
-from lorafleet.server.service import _unzstd
 from lorafleet.server.store import CheckpointRow, Store
 
 
@@ -116,19 +116,19 @@ def test_integers_that_would_overflow_the_store_are_refused():
 
 def test_zstd_bodies_are_bounded_by_what_they_expand_to():
     small = zstandard.ZstdCompressor().compress(b"abc" * 1000)
-    assert _unzstd(small, 1 << 20) == b"abc" * 1000
+    assert unzstd(small, 1 << 20) == b"abc" * 1000
     bomb = zstandard.ZstdCompressor().compress(b"\0" * (32 << 20))  # ~1 KB on the wire
     with pytest.raises(UserError, match="decompresses to more than") as caught:
-        _unzstd(bomb, 1 << 20)
+        unzstd(bomb, 1 << 20)
     assert caught.value.status == 413
     with pytest.raises(UserError, match="not valid zstd"):
-        _unzstd(b"definitely not zstd", 1 << 20)
+        unzstd(b"definitely not zstd", 1 << 20)
 
 
 def test_a_seq_id_far_past_the_next_one_fails_at_once(tmp_path):
     store = Store(tmp_path / "db.sqlite")
     futures = FutureTable(store)
-    scheduler = Scheduler(executor=None, futures=futures)  # never started: submit alone decides
+    scheduler = Scheduler(futures)  # never started: submit alone decides
     scheduler.register_model("m", next_seq=5)
     for request_id, seq in (("far", 5 + MAX_SEQ_AHEAD + 1), ("near", 5 + MAX_SEQ_AHEAD)):
         futures.create(request_id, "t", kind="optim_step", scope="m", seq_id=seq)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lorafleet.engines import Colocated, colocate
 from lorafleet.model.banks import AdapterSpec
 from lorafleet.model.targets import resolve_tinker_targets
 from lorafleet.sample import SampleEngine, SampleRequest, SamplingParams
-from lorafleet.sample.colocate import Colocated, colocate
 from lorafleet.train.engine import TrainItem
 from tests._models import tiny_llama, tiny_qwen3
 

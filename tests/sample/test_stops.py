@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from lorafleet.engines import colocate
 from lorafleet.model.loader import load_base
 from lorafleet.model.targets import resolve_tinker_targets
 from lorafleet.sample import SampleRequest, SamplingParams
-from lorafleet.sample.colocate import colocate
 from lorafleet.sample.stops import StopChecker
 from lorafleet.sample.validate import StopSpec
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lorafleet.engines import Colocated, colocate
 from lorafleet.model.banks import AdapterSpec
 from lorafleet.model.targets import resolve_tinker_targets
 from lorafleet.sample import (
@@ -16,7 +17,6 @@ from lorafleet.sample import (
     VersionStore,
     VersionUnavailableError,
 )
-from lorafleet.sample.colocate import Colocated, colocate
 from lorafleet.train.engine import TrainItem
 from lorafleet.train.optim import AdamHParams
 from tests._models import tiny_qwen3

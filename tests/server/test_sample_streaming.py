@@ -85,9 +85,9 @@ class _Futures:
 
 def test_late_samples_join_the_running_batch_and_training_runs_between_slices():
     executor, futures = _StepExecutor(), _Futures()
-    scheduler = Scheduler(executor, futures, sample_slice_s=0.05)  # type: ignore[arg-type]
+    scheduler = Scheduler(futures, sample_slice_s=0.05)  # type: ignore[arg-type]
     scheduler.register_model("m")
-    scheduler.start()
+    scheduler.start(lambda: executor)
     try:
         scheduler.submit(Op("long", "sample", "t1", 100, scope="s1"))
         deadline = time.monotonic() + 10

@@ -16,6 +16,7 @@ from lorafleet.server.auth import KeyRing, load_keys, parse_keys
 from lorafleet.server.errors import Unauthorized, UserError
 from lorafleet.server.futures import Result
 from lorafleet.server.paths import parse_tinker_path, run_dir_name
+from lorafleet.server.retention import EphemeralRetention
 from lorafleet.server.scheduler import Op, Scheduler
 
 
@@ -197,11 +198,11 @@ class _Futures:
 
 def test_scheduler_orders_by_seq_and_batches_across_models():
     recorder, futures = _Recorder(), _Futures()
-    scheduler = Scheduler(recorder, futures)  # type: ignore[arg-type]
+    scheduler = Scheduler(futures)  # type: ignore[arg-type]
     scheduler.register_model("a")
     scheduler.register_model("b")
     scheduler.pause()
-    scheduler.start()
+    scheduler.start(lambda: recorder)
     try:
         # chunks arrive out of order (the SDK sends the first one last)
         for model, seq, kind in [
@@ -237,9 +238,9 @@ def test_scheduler_orders_by_seq_and_batches_across_models():
 
 def test_scheduler_fails_requests_stuck_behind_a_missing_seq():
     futures = _Futures()
-    scheduler = Scheduler(_Recorder(), futures, gap_timeout_s=0.05)  # type: ignore[arg-type]
+    scheduler = Scheduler(futures, gap_timeout_s=0.05)  # type: ignore[arg-type]
     scheduler.register_model("a")
-    scheduler.start()
+    scheduler.start(_Recorder)
     try:
         scheduler.submit(Op("a2", "optim_step", "t", None, model_id="a", seq_id=2))
         assert futures.event.wait(5.0)
@@ -249,3 +250,43 @@ def test_scheduler_fails_requests_stuck_behind_a_missing_seq():
         )
     finally:
         scheduler.stop()
+
+
+def test_the_scheduler_builds_its_executor_on_the_worker_and_hands_it_back():
+    futures = _Futures()
+    scheduler = Scheduler(futures)  # type: ignore[arg-type]
+    built_on: list[str] = []
+
+    def build() -> _Recorder:
+        built_on.append(threading.current_thread().name)
+        return _Recorder()
+
+    try:
+        executor = scheduler.start(build).result(timeout=10)
+        assert isinstance(executor, _Recorder) and built_on == ["lorafleet-engine"]
+    finally:
+        scheduler.stop()
+
+    def broken() -> _Recorder:
+        raise RuntimeError("no model here")
+
+    failing = Scheduler(futures)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="no model here"):
+        failing.start(broken).result(timeout=10)
+    assert failing.call(lambda: None).exception() is not None  # the worker stopped
+
+
+def test_ephemeral_retention_numbers_per_model_and_evicts_the_oldest(tmp_path):
+    root = tmp_path / "ephemeral"
+    (root / "left-from-a-previous-run").mkdir(parents=True)
+    retention = EphemeralRetention(root, keep=2)
+    assert not root.exists()  # nothing survives a restart
+    assert [retention.next_version("s:train:1") for _ in range(3)] == [0, 1, 2]
+    assert retention.next_version("s:train:2") == 0
+    assert retention.directory("s:train:1", 2) == root / "s.train.1" / "2"
+    evicted = [retention.retain("s:train:1", ("m#live", v), root / str(v)) for v in range(3)]
+    assert evicted == [[], [], [(("m#live", 0), root / "0")]]
+    memory_only = EphemeralRetention(tmp_path / "none", keep=0)
+    assert memory_only.directory("s:train:1", 0) is None and memory_only.limit == 1
+    assert memory_only.retain("a", ("a#live", 0), None) == []
+    assert memory_only.retain("a", ("a#live", 1), None) == [(("a#live", 0), None)]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from lorafleet.engines import Colocated, colocate
 from lorafleet.model.banks import AdapterSpec
 from lorafleet.model.targets import resolve_tinker_targets
-from lorafleet.sample.colocate import Colocated, colocate
 from lorafleet.train.engine import TrainEngine, TrainItem
 from lorafleet.train.optim import AdamHParams
 from tests._models import tiny_qwen3

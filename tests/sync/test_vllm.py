@@ -16,11 +16,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import lorafleet.sync.remote as remote_module
+from lorafleet.engines import colocate
 from lorafleet.model.banks import AdapterSpec
 from lorafleet.model.loader import load_base
 from lorafleet.model.presets import materialize
 from lorafleet.model.targets import resolve_tinker_targets
-from lorafleet.sample.colocate import colocate
 from lorafleet.sync.base import AdapterVersion, RolloutParams, RolloutRequest, SyncVerificationError
 from lorafleet.sync.files import LocalStaging, RemoteStaging, stage_peft
 from lorafleet.sync.merged import PristineBase

@@ -14,17 +14,16 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from lorafleet.train.losses import (
+from lorafleet.train.loss_inputs import (
     LOSS_CONFIG_DEFAULTS,
     LOSS_INPUT_KEYS,
     LOSS_NAMES,
     LossInputError,
     LossSpec,
-    compute_loss,
     loss_targets,
-    merge_metrics,
     validate_loss,
 )
+from lorafleet.train.losses import compute_loss, merge_metrics
 
 VOCAB = 50
 

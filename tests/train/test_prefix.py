@@ -22,7 +22,8 @@ from lorafleet.train.layout import (
     plan_units,
     tokens_run,
 )
-from lorafleet.train.losses import LOSS_NAMES, compute_loss, gradient_mask, validate_loss
+from lorafleet.train.loss_inputs import LOSS_NAMES, validate_loss
+from lorafleet.train.losses import compute_loss, gradient_mask
 
 LOGPROB_TOL = {"atol": 1e-5, "rtol": 1e-5}
 GRAD_TOL = {"atol": 1e-5, "rtol": 1e-4}

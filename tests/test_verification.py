@@ -5,15 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lorafleet.canary import SyncVerificationError
+from lorafleet.engines import Colocated, colocate
 from lorafleet.model.banks import AdapterSpec
 from lorafleet.model.targets import resolve_tinker_targets
-from lorafleet.sample import (
-    SyncVerificationError,
-    UnknownVersionError,
-    canary_check,
-    publish_verified,
-)
-from lorafleet.sample.colocate import Colocated, colocate
+from lorafleet.sample import UnknownVersionError
+from lorafleet.verification import canary_check, publish_verified
 from tests._models import tiny_qwen3
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -92,7 +89,7 @@ def test_an_adapter_below_tolerance_must_still_reach_the_sampler():
     assert canary_check(stack.sampler, key, stack.trainer, slot).differs_check == "passed"
     with torch.no_grad():
         stack.versions.bank.params[stack.versions.info(key).slot].zero_()
-    with pytest.raises(SyncVerificationError, match="equal the base"):
+    with pytest.raises(SyncVerificationError, match="equal its base"):
         canary_check(stack.sampler, key, stack.trainer, slot)
 
 

@@ -1,0 +1,194 @@
+"""The canary: does an engine compute what the trainer computes for one adapter version?
+
+A sync can fail silently in many ways (wrong slot, stale copy, zeroed row, a routing bug that
+runs the base model, an engine that accepts an adapter it cannot apply and serves the base
+under the adapter's name): the engine still produces fluent text, and RL would quietly train
+on samples from the wrong policy. So after every sync the engine's log-probs of a fixed prompt
+(token ids, so tokenization cannot differ) under the new version are compared with the
+trainer's for the slot that was synced. The rules, the same for every engine:
+
+1. the engine must say it served the version asked for, where its reply says so;
+2. engine and trainer log-probs must agree within a tolerance chosen by dtype and by whether
+   both sides are the same implementation (`tolerance_for`; an unknown dtype is an error,
+   never a guessed tolerance);
+3. the engine's log-probs under the version must differ from its own base model's (strict
+   inequality), unless the adapter is exactly zero: a freshly created adapter (B = 0)
+   legitimately equals the base, so that rule is skipped and the report says so. An adapter
+   whose effect is below the tolerance can be confirmed present, not measured.
+
+Any failure raises `SyncVerificationError`. This module is pure comparison over tensors: it
+knows no engine; the callers that compute each side's log-probs live above the engines
+(`lorafleet.verification` for the embedded sampler, `lorafleet.sync` for rollout engines,
+`lorafleet.distributed` for Ray replicas).
+
+Why the tolerances differ by implementation: our sampler and our trainer run the same shapes
+(one row of the whole canary), so they agree to rounding noise. Another engine (vLLM, SGLang)
+runs other kernels: in bf16 the cross-engine difference is of the same size as an adapter's
+whole effect, so a bf16 cross-engine canary only catches gross failures (rules 1 and 3 still
+hold exactly); verify in fp32 where it matters. Shapes matter in bf16 even within one
+implementation (matmul blocking follows the shape), which is why the trainer's reference is
+computed over the same input length as the engine's prefill.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Final, Generic, Literal, TypeVar
+
+import torch
+
+__all__ = [
+    "CANARY_LENGTH",
+    "CROSS_ENGINE_TOLERANCES",
+    "SAME_IMPLEMENTATION_TOLERANCES",
+    "ZERO_ADAPTER_SKIP",
+    "CanaryReport",
+    "SyncVerificationError",
+    "canary_tokens",
+    "check_tokens",
+    "compare",
+    "compare_base",
+    "layers_are_zero",
+    "tolerance_for",
+]
+
+CANARY_LENGTH = 16
+
+SAME_IMPLEMENTATION_TOLERANCES: dict[torch.dtype, float] = {
+    torch.float32: 1e-4,
+    torch.bfloat16: 0.02,
+}
+"""Max |engine - trainer| log-prob per position when the engine is our own sampler (the same
+model code, the same shapes as the trainer's reference)."""
+
+CROSS_ENGINE_TOLERANCES: dict[torch.dtype, float] = {
+    torch.float32: 1e-3,
+    torch.bfloat16: 0.5,
+    torch.float16: 0.5,
+}
+"""Max |engine - trainer| log-prob per position for another implementation (vLLM, SGLang).
+The 16-bit entries only catch gross failures (see the module docstring)."""
+
+V = TypeVar("V")  # how the caller names a version: VersionKey, AdapterVersion
+
+ZERO_ADAPTER_SKIP: Final = "skipped: adapter is zero (B = 0), equals the base model"
+
+DiffersCheck = Literal["passed", "skipped: adapter is zero (B = 0), equals the base model"]
+
+
+class SyncVerificationError(RuntimeError):
+    """An engine's copy of a version does not compute what the trainer computes."""
+
+
+@dataclass(frozen=True)
+class CanaryReport(Generic[V]):
+    """What one passed canary measured; `version` is the version checked, in the caller's own
+    terms (a sampler's `VersionKey`, a rollout engine's `AdapterVersion`)."""
+
+    version: V
+    max_abs_diff: float  # engine vs trainer
+    tolerance: float
+    base_diff: float  # engine under the version vs the engine's base model
+    differs_check: DiffersCheck
+    served_by: str | None = None  # what the engine's reply said served it, where it says
+
+
+def canary_tokens(vocab_size: int, length: int = CANARY_LENGTH) -> list[int]:
+    """A fixed, vocabulary-spread prompt: no tokenizer needed, identical in every process."""
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+    return [(7919 * i + 104729) % vocab_size for i in range(length)]
+
+
+def check_tokens(tokens: Iterable[int]) -> list[int]:
+    """The canary prompt as a list; one target needs at least two tokens."""
+    canary = list(tokens)
+    if len(canary) < 2:
+        raise ValueError("the canary prompt needs at least 2 tokens")
+    return canary
+
+
+def tolerance_for(dtype: torch.dtype, *, same_implementation: bool = False) -> float:
+    """The tolerance for an engine running `dtype`; raises ValueError for a dtype without one
+    (a guessed tolerance would either hide broken syncs or fail good ones)."""
+    table = SAME_IMPLEMENTATION_TOLERANCES if same_implementation else CROSS_ENGINE_TOLERANCES
+    try:
+        return table[dtype]
+    except KeyError:
+        raise ValueError(f"no canary tolerance for dtype {dtype}; pass one explicitly") from None
+
+
+def layers_are_zero(layers: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    """True when every layer's LoRA delta B @ A is exactly zero (A = 0 or B = 0)."""
+    return not any(bool(A.any()) and bool(B.any()) for A, B in layers)
+
+
+def _max_abs_diff(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((got.float() - expected.float()).abs().max())
+
+
+def compare(
+    version: V,
+    engine_lp: torch.Tensor,
+    *,
+    name: str,
+    expected: torch.Tensor,
+    engine_base: torch.Tensor,
+    adapter_zero: bool,
+    tolerance: float,
+    engine: str = "sampler",
+    served_by: str | None = None,
+) -> CanaryReport[V]:
+    """Applies the rules of the module docstring; raises SyncVerificationError.
+
+    `engine_lp` are the engine's log-probs under `version`, which the engine serves (and its
+    reply names) as `name`; `expected` the trainer's for
+    the synced slot, `engine_base` the engine's own base-model log-probs of the same tokens,
+    `adapter_zero` whether the synced adapter is exactly zero; `engine` names the engine in
+    messages."""
+    if served_by is not None and served_by != name:
+        raise SyncVerificationError(
+            f"canary for {name}: the {engine} engine says {served_by!r} served the request"
+        )
+    for what, values in (("the trainer", expected), ("the base model", engine_base)):
+        if engine_lp.shape != values.shape:
+            raise SyncVerificationError(
+                f"canary for {name}: the {engine} engine returned {engine_lp.numel()} log-probs, "
+                f"{what} {values.numel()}"
+            )
+    diff = _max_abs_diff(engine_lp, expected)
+    if not diff <= tolerance:  # also catches NaN
+        raise SyncVerificationError(
+            f"canary mismatch for {name}: the {engine} engine's log-probs differ from the trainer's by "
+            f"{diff:.3g} (tolerance {tolerance:.3g}); the engine does not hold this version's weights"
+        )
+    base_diff = _max_abs_diff(engine_lp, engine_base)
+    if adapter_zero:
+        return CanaryReport(version, diff, tolerance, base_diff, ZERO_ADAPTER_SKIP, served_by)
+    if not base_diff > 0.0:
+        raise SyncVerificationError(
+            f"canary for {name}: the adapter is non-zero but the {engine} engine's log-probs equal its "
+            "base model's; it is serving the base model under the adapter's name"
+        )
+    return CanaryReport(version, diff, tolerance, base_diff, "passed", served_by)
+
+
+def compare_base(
+    engine_base: torch.Tensor, trainer_base: torch.Tensor, *, tolerance: float, engine: str
+) -> float:
+    """Checks that an engine runs the trainer's base model (same checkpoint, revision, dtype);
+    returns the difference, raises SyncVerificationError. Run once, before any sync, so that an
+    engine on another base fails here and not with a confusing message on every sync."""
+    if engine_base.shape != trainer_base.shape:
+        raise SyncVerificationError(
+            f"the {engine} engine returned {engine_base.numel()} base-model log-probs, "
+            f"the trainer {trainer_base.numel()}"
+        )
+    diff = _max_abs_diff(engine_base, trainer_base)
+    if not diff <= tolerance:  # also catches NaN
+        raise SyncVerificationError(
+            f"the {engine} engine's base model log-probs differ from the trainer's by {diff:.3g} "
+            f"(tolerance {tolerance:.3g}): it is not running the trainer's base model"
+        )
+    return diff

@@ -1,0 +1,245 @@
+"""The seams between the server (and the RL job) and the engines, as protocols.
+
+The server reaches its engines only through these names, whatever runs them:
+- colocated: `TrainEngine`, `SampleEngine` and `VersionStore` over one frozen base in this
+  process (`lorafleet.engines.colocate`);
+- torchrun/FSDP2: `DistTrainEngine` driving sharded trainer ranks, with the sampler in process;
+- Ray: `DistTrainEngine` over trainer-rank actors, `RaySamplerPool` over sampler replicas and its
+  `RayVersionStore`.
+`lorafleet.engines.build_engines` picks one and returns an `EngineSet`.
+
+This module imports types only (under TYPE_CHECKING), so that any layer, however low, may name
+a seam without importing what implements it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+    from pathlib import Path
+
+    import torch
+
+    from lorafleet.adapters.checkpoint import TrainingState
+    from lorafleet.fsio import PathLike
+    from lorafleet.model.banks import AdapterSpec, SlotInfo
+    from lorafleet.sample.types import SampleRequest, SampleResult, VersionKey
+    from lorafleet.sample.validate import ModelLimits
+    from lorafleet.train.engine import BatchOutput
+    from lorafleet.train.items import PreparedItem, TrainItem
+    from lorafleet.train.optim import AdamHParams
+
+__all__ = [
+    "AdapterBank",
+    "Closeable",
+    "EngineSet",
+    "Sampler",
+    "SlotRows",
+    "Trainer",
+    "VersionRecord",
+    "VersionStore",
+]
+
+
+class SlotRows(Protocol):
+    """`bank.params[slot]`: one slot's flat parameter row (a tensor, or fetched on demand)."""
+
+    def __getitem__(self, slot: int, /) -> torch.Tensor: ...
+
+
+class AdapterBank(Protocol):
+    """A trainer's adapter slots as exporters, publishing and the canary read them: the slot
+    table, and each slot's weights (a `BankSet`, or a sharded trainer's `RemoteBank` mirror)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def num_slots(self) -> int: ...
+
+    @property
+    def r_max(self) -> int: ...
+
+    @property
+    def row_size(self) -> int: ...
+
+    @property
+    def slots(self) -> Sequence[SlotInfo | None]: ...
+
+    @property
+    def layers(self) -> Mapping[str, object]: ...
+
+    @property
+    def scales(self) -> torch.Tensor: ...
+
+    @property
+    def params(self) -> SlotRows: ...
+
+    def free_slots(self) -> list[int]: ...
+
+    def used_slots(self) -> list[int]: ...
+
+    def check_slot(self, slot: int) -> SlotInfo: ...
+
+    def slot_weights(self, slot: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]: ...
+
+    def layout(self) -> list[tuple[str, tuple[int, int], tuple[int, int]]]: ...
+
+
+class Trainer(Protocol):
+    """Mixed-adapter training: what the server's executor, sync/ and the canary call.
+
+    Items are validated by `prepare` before anything runs (so one bad request fails alone);
+    `forward` also accepts slot 0, the base model."""
+
+    @property
+    def bank(self) -> AdapterBank: ...
+
+    @property
+    def base_model_id(self) -> str: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def max_length(self) -> int | None: ...
+
+    def create_adapter(self, spec: AdapterSpec, slot: int | None = None) -> int: ...
+
+    def free_adapter(self, slot: int) -> None: ...
+
+    def prepare(
+        self, items: Sequence[TrainItem], *, allow_base: bool = False
+    ) -> list[PreparedItem]: ...
+
+    def forward(self, items: Sequence[TrainItem] | Sequence[PreparedItem]) -> BatchOutput: ...
+
+    def canary_logprobs(self, slot: int | None, tokens: Sequence[int]) -> torch.Tensor:
+        """The trainer's side of the canary (`lorafleet.train.canary_probe`); None = base."""
+        ...
+
+    def forward_backward(
+        self, items: Sequence[TrainItem] | Sequence[PreparedItem]
+    ) -> BatchOutput: ...
+
+    def optim_step(self, hparams: Mapping[int, AdamHParams]) -> dict[int, dict[str, float]]: ...
+
+    def save_state(
+        self,
+        slot: int,
+        dest: str | Path,
+        *,
+        metadata: dict | None = None,
+        overwrite: bool = False,
+    ) -> Path: ...
+
+    def load_state(
+        self,
+        src: str | Path | TrainingState,
+        *,
+        slot: int | None = None,
+        with_optimizer: bool = True,
+        source: str | Path | None = None,
+    ) -> int: ...
+
+    def export_peft(self, slot: int, dest: str | Path, *, overwrite: bool = False) -> Path: ...
+
+    def import_peft(self, src: str | Path, *, slot: int | None = None, seed: int = 0) -> int: ...
+
+
+class VersionRecord(Protocol):
+    """What a version store knows of one published version."""
+
+    @property
+    def key(self) -> VersionKey: ...
+
+    @property
+    def path(self) -> Path | None: ...  # its saved files, if any (the source after eviction)
+
+
+class VersionStore(Protocol):
+    """Immutable published adapter versions, `(adapter_id, version)`, that samplers serve."""
+
+    def info(self, key: VersionKey) -> VersionRecord: ...
+
+    def latest(self, adapter_id: str) -> VersionKey: ...
+
+    def resident(self) -> list[VersionKey]: ...
+
+    def publish(
+        self,
+        adapter_id: str,
+        source: AdapterBank,
+        source_slot: int,
+        *,
+        version: int | None = None,
+        path: PathLike | None = None,
+    ) -> VersionKey: ...
+
+    def register(self, adapter_id: str, version: int, path: PathLike) -> VersionKey: ...
+
+    def set_path(self, key: VersionKey, path: PathLike) -> None: ...
+
+    def evict(self, key: VersionKey) -> None: ...
+
+    def drop(self, key: VersionKey) -> None: ...
+
+
+class Sampler(Protocol):
+    """Generation over published versions (and the base, adapter None).
+
+    `submit` queues requests into the running batch and `step` advances it (the server's worker
+    interleaves steps with training); `generate` runs requests to completion. A sampler whose
+    batches run elsewhere (Ray replicas) completes them inside `submit`, and `step` then has
+    nothing to do."""
+
+    @property
+    def versions(self) -> VersionStore: ...
+
+    @property
+    def limits(self) -> ModelLimits: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def submit(self, requests: Sequence[SampleRequest]) -> list[Future[SampleResult]]: ...
+
+    def step(self) -> bool: ...
+
+    def generate(self, requests: Sequence[SampleRequest]) -> list[SampleResult]: ...
+
+    def release_cache(self) -> None: ...
+
+
+class Closeable(Protocol):
+    """Something an engine set started (trainer ranks, replica actors) and must stop."""
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class EngineSet:
+    """The engines one server drives: a trainer, a sampler, and what must be stopped at the end.
+
+    `owned` lists what the set started, in the order it is stopped (empty when everything lives
+    in this process and goes with it)."""
+
+    trainer: Trainer
+    sampler: Sampler
+    owned: tuple[Closeable, ...] = ()
+
+    @property
+    def versions(self) -> VersionStore:
+        return self.sampler.versions
+
+    def close(self) -> None:
+        """Stops every owned part, in order, even when an earlier one fails (its error is raised
+        after the others were stopped)."""
+        with contextlib.ExitStack() as stack:
+            for part in reversed(self.owned):
+                stack.callback(part.close)

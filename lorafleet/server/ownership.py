@@ -1,0 +1,41 @@
+"""Tenant-scoped lookups: an id the caller does not own is a 404 whether it exists or not, so
+tenants cannot probe each other's sessions, models, checkpoints or samplers."""
+
+from __future__ import annotations
+
+from lorafleet.server.auth import Tenant
+from lorafleet.server.errors import NotFound, UserError
+from lorafleet.server.paths import TinkerPath
+from lorafleet.server.store import CheckpointRow, ModelRow, SamplingSessionRow, SessionRow, Store
+
+
+class Ownership:
+    def __init__(self, store: Store):
+        self.store = store
+
+    def session(self, tenant: Tenant, session_id: str, *, active: bool = True) -> SessionRow:
+        """`active`: a finished session is refused too (a user error, it is the caller's own)."""
+        row = self.store.get_session(session_id)
+        if row is None or row.tenant != tenant.id:
+            raise NotFound(f"unknown session_id {session_id!r}")
+        if active and row.finished_at is not None:
+            raise UserError(f"session {session_id!r} has finished; create a new ServiceClient")
+        return row
+
+    def model(self, tenant: Tenant, model_id: str) -> ModelRow:
+        row = self.store.get_model(model_id)
+        if row is None or row.tenant != tenant.id:
+            raise NotFound(f"unknown model_id {model_id!r}")
+        return row
+
+    def checkpoint(self, tenant: Tenant, path: TinkerPath) -> CheckpointRow:
+        row = self.store.get_checkpoint(str(path))
+        if row is None or row.tenant != tenant.id:
+            raise NotFound(f"unknown checkpoint {path}")
+        return row
+
+    def sampling_session(self, tenant: Tenant, sampler_id: str) -> SamplingSessionRow:
+        row = self.store.get_sampling_session(sampler_id)
+        if row is None or row.tenant != tenant.id:
+            raise NotFound(f"unknown sampling_session_id {sampler_id!r}")
+        return row

@@ -1,0 +1,63 @@
+"""The typed payloads of control and sample ops: what request parsing (requests.py) hands the
+executor through the scheduler. They sit apart from both so that the HTTP side can build them
+without importing the engine, and the engine can read them without knowing JSON."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from lorafleet.sample.types import SamplingParams
+from lorafleet.server.store import CheckpointRow
+
+
+@dataclass
+class CreateArgs:
+    session_id: str
+    base_model: str
+    lora: dict[str, Any]  # rank, seed, alpha, train_attn, train_mlp, train_unembed
+    user_metadata: dict[str, Any] | None
+
+
+@dataclass
+class FromStateArgs:
+    session_id: str
+    base_model: str | None
+    checkpoint: CheckpointRow
+    optimizer: bool
+    user_metadata: dict[str, Any] | None
+
+
+@dataclass
+class LoadArgs:
+    checkpoint: CheckpointRow
+    optimizer: bool
+
+
+@dataclass
+class SaveArgs:
+    name: str
+    overwrite: bool
+    expires_at: float | None
+    user_metadata: dict[str, Any] | None
+
+
+@dataclass
+class SaveSamplerArgs:
+    name: str | None  # None: ephemeral, for save_weights_and_get_sampling_client
+    sampling_session_seq_id: int | None
+    expires_at: float | None
+    user_metadata: dict[str, Any] | None
+
+
+@dataclass
+class SampleArgs:
+    prompt: list[int]
+    params: SamplingParams
+    num_samples: int
+    prompt_logprobs: bool
+    topk_prompt: int
+    topk_sample: int
+    last_n: int | None
+    adapter: tuple[str, int] | None  # sampler version key; None = base model
+    checkpoint_path: str | None  # tinker path whose files back `adapter` (None: ephemeral)

@@ -1,0 +1,194 @@
+"""Parsing requests into the typed payloads the executor runs (payloads.py).
+
+Everything here is a pure function of the request (and of the served base's limits): no store,
+no engine. A `UserError` raised here either refuses the request at the door or, once the request
+holds a seq_id in its model's order, becomes the failed result of its future (see intake.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+import time
+from typing import Any
+
+from lorafleet.sample.types import SamplingParams
+from lorafleet.server import schemas
+from lorafleet.server.errors import UserError
+from lorafleet.server.paths import checkpoint_name
+from lorafleet.server.payloads import CreateArgs, SampleArgs, SaveArgs, SaveSamplerArgs
+from lorafleet.server.served import ServedBase
+from lorafleet.train.optim import AdamHParams
+
+ADAM_FIELDS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
+
+
+def fingerprint(data: bytes | Any) -> str:
+    """What makes a retry "the same request" for seq_id dedup: the body's bytes, or its JSON
+    with sorted keys."""
+    raw = (
+        data if isinstance(data, bytes) else json.dumps(data, sort_keys=True, default=str).encode()
+    )
+    return hashlib.sha256(raw).hexdigest()
+
+
+def unzstd(raw: bytes, limit: int) -> bytes:
+    """Decompresses at most `limit` bytes: a frame's declared size is not trusted (zstandard's
+    one-shot `decompress` allocates whatever the header claims, a few KB can ask for GBs)."""
+    import zstandard
+
+    out = bytearray()
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(
+            io.BytesIO(raw), read_across_frames=True
+        ) as reader:
+            while chunk := reader.read(min(1 << 20, limit + 1 - len(out))):
+                out += chunk
+                if len(out) > limit:
+                    raise UserError(
+                        f"the zstd request body decompresses to more than this server's limit of {limit} bytes",
+                        status=413,
+                    )
+    except zstandard.ZstdError as exc:
+        raise UserError(f"request body is not valid zstd: {exc}") from None
+    if not out and raw:
+        raise UserError("request body is not valid zstd: no complete frame")
+    return bytes(out)
+
+
+def decode_body(raw: bytes, content_encoding: str | None, limit: int) -> bytes:
+    """The body as sent before its Content-Encoding (identity or zstd)."""
+    if content_encoding and content_encoding.lower() not in ("identity",):
+        if content_encoding.lower() != "zstd":
+            raise UserError(f"Content-Encoding {content_encoding!r} is not supported (only zstd)")
+        return unzstd(raw, limit)
+    return raw
+
+
+def expires_at(ttl_seconds: int | None) -> float | None:
+    if ttl_seconds is None:
+        return None
+    if ttl_seconds < 1:
+        raise UserError(f"ttl_seconds must be >= 1 (or null for no expiry), got {ttl_seconds}")
+    return time.time() + ttl_seconds
+
+
+def check_optimizer_type(optimizer_config: dict[str, Any] | None) -> None:
+    kind = (optimizer_config or {}).get("type", "adamw")
+    if kind not in ("adam", "adamw"):
+        raise UserError(
+            f"optimizer_config.type {kind!r} is not supported by this server; use AdamW"
+        )
+
+
+def adam_hparams(params: dict[str, Any]) -> AdamHParams:
+    params = dict(params)
+    kind = params.pop("type", None)
+    if kind not in (None, "adam", "adamw"):
+        raise UserError(
+            f"optimizer {kind!r} is not supported by this server; send adam_params (AdamW)"
+        )
+    unknown = sorted(set(params) - set(ADAM_FIELDS))
+    if unknown:
+        raise UserError(
+            f"adam_params has unknown field(s) {unknown}; known: {', '.join(ADAM_FIELDS)}"
+        )
+    values: dict[str, float] = {}
+    for key, value in params.items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise UserError(f"adam_params.{key} must be a number, got {value!r}")
+        values[key] = float(value)
+    values.setdefault("learning_rate", 1e-4)
+    hp = AdamHParams(**values)
+    try:
+        hp.validate()
+    except ValueError as exc:
+        raise UserError(f"adam_params: {exc}") from None
+    return hp
+
+
+def create_args(req: schemas.CreateModel, served: ServedBase) -> CreateArgs:
+    lora = req.lora_config
+    r_max = served.max_lora_rank
+    if not 1 <= lora.rank <= r_max:
+        raise UserError(
+            f"lora_config.rank must be between 1 and {r_max} on this server, got {lora.rank}"
+        )
+    if not (lora.train_attn or lora.train_mlp or lora.train_unembed):
+        raise UserError(
+            "lora_config: train_attn, train_mlp and train_unembed are all false; nothing would train"
+        )
+    lora_dict = {**lora.model_dump(), "alpha": served.lora_alpha}
+    return CreateArgs(req.session_id, req.base_model, lora_dict, req.user_metadata)
+
+
+def save_args(req: schemas.SaveWeights) -> SaveArgs:
+    return SaveArgs(
+        checkpoint_name(req.path), req.overwrite, expires_at(req.ttl_seconds), req.user_metadata
+    )
+
+
+def save_sampler_args(req: schemas.SaveWeightsForSampler) -> SaveSamplerArgs:
+    if req.path is None and req.sampling_session_seq_id is None:
+        raise UserError("save_weights_for_sampler needs a path (name) or a sampling_session_seq_id")
+    name = None if req.path is None else checkpoint_name(req.path)
+    return SaveSamplerArgs(
+        name, req.sampling_session_seq_id, expires_at(req.ttl_seconds), req.user_metadata
+    )
+
+
+def check_num_samples(num_samples: int, max_num_samples: int) -> None:
+    if not 1 <= num_samples <= max_num_samples:
+        raise UserError(f"num_samples must be between 1 and {max_num_samples}, got {num_samples}")
+
+
+def sample_args(
+    req: schemas.Sample, adapter: tuple[str, int] | None, checkpoint_path: str | None
+) -> SampleArgs:
+    prompt: list[int] = []
+    for i, chunk in enumerate(req.prompt.chunks):
+        if chunk.type != "encoded_text" or chunk.tokens is None:
+            raise UserError(
+                f"prompt.chunks[{i}] is a {chunk.type!r} chunk; this server takes encoded_text only"
+            )
+        prompt += chunk.tokens
+    if req.target_prompt_logprobs is not None:
+        raise UserError("target_prompt_logprobs is not supported by this server")
+    if req.prompt_alt_tokens_k:
+        raise UserError(
+            f"prompt_alt_tokens_k={req.prompt_alt_tokens_k} is not supported by this server (use 0)"
+        )
+    wants_prompt = bool(req.prompt_logprobs)
+    last_n = req.prompt_logprobs_last_n
+    if last_n is not None:
+        if not (wants_prompt or req.topk_prompt_logprobs):
+            raise UserError("prompt_logprobs_last_n needs prompt_logprobs=true")
+        if not 1 <= last_n <= len(prompt) - 1:
+            raise UserError(
+                f"prompt_logprobs_last_n must be between 1 and len(prompt) - 1 = {len(prompt) - 1}, got {last_n}"
+            )
+    p = req.sampling_params
+    for name, value in (("temperature", p.temperature), ("top_p", p.top_p)):
+        if not math.isfinite(value):
+            raise UserError(f"sampling_params.{name} must be finite, got {value!r}")
+    params = SamplingParams(
+        max_tokens=p.max_tokens,
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p,
+        stop=p.stop,
+        seed=p.seed,
+    )
+    return SampleArgs(
+        prompt=prompt,
+        params=params,
+        num_samples=req.num_samples,
+        prompt_logprobs=wants_prompt,
+        topk_prompt=req.topk_prompt_logprobs,
+        topk_sample=req.topk_sample_logprobs,
+        last_n=last_n,
+        adapter=adapter,
+        checkpoint_path=checkpoint_path,
+    )

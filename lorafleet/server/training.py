@@ -1,0 +1,142 @@
+"""The training operations: create a model (fresh or from a checkpoint), forward/backward,
+optimizer steps, saves and loads. Each checks ownership, parses its payload (requests.py) and
+hands it to intake; the engine work happens later, on the worker."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lorafleet.server import ids, proto, requests, schemas
+from lorafleet.server.auth import Tenant
+from lorafleet.server.errors import UserError
+from lorafleet.server.intake import Intake
+from lorafleet.server.ownership import Ownership
+from lorafleet.server.paths import parse_tinker_path
+from lorafleet.server.payloads import FromStateArgs, LoadArgs, SaveArgs, SaveSamplerArgs
+from lorafleet.server.served import ServedBase
+
+
+class Training:
+    def __init__(
+        self, ownership: Ownership, intake: Intake, served: ServedBase, *, max_body_bytes: int
+    ):
+        self.ownership = ownership
+        self.intake = intake
+        self.served = served
+        self.max_body_bytes = max_body_bytes
+
+    def create_model(self, tenant: Tenant, body: Any) -> dict[str, Any]:
+        req = schemas.parse(schemas.CreateModel, body)
+        self.ownership.session(tenant, req.session_id)
+        self.served.check(req.base_model)
+        requests.check_optimizer_type(req.optimizer_config)
+        args = requests.create_args(req, self.served)
+        model_id = ids.model_id(req.session_id, req.model_seq_id)
+        fingerprint = requests.fingerprint(body)
+        self.intake.check_new_model(model_id)
+        return self.intake.submit(
+            tenant,
+            "create_model",
+            args,
+            fingerprint=fingerprint,
+            model_id=model_id,
+            scope=model_id,
+            seq_id=0,
+            ordered=False,
+        )
+
+    def forward_backward(
+        self, tenant: Tenant, raw: bytes, content_encoding: str | None
+    ) -> dict[str, Any]:
+        raw = requests.decode_body(raw, content_encoding, self.max_body_bytes)
+        msg = proto.parse_forward_backward(raw)
+        kind = "forward" if msg.forward_only else "forward_backward"
+        return self.intake.submit_for_model(
+            tenant,
+            msg.model_id,
+            msg.seq_id,
+            kind,
+            lambda: proto.decode_call(msg),
+            requests.fingerprint(raw),
+        )
+
+    def optim_step(self, tenant: Tenant, body: Any) -> dict[str, Any]:
+        req = schemas.parse(schemas.OptimStep, body)
+        return self.intake.submit_for_model(
+            tenant,
+            req.model_id,
+            req.seq_id,
+            "optim_step",
+            lambda: requests.adam_hparams(req.optim_params),
+            requests.fingerprint(body),
+        )
+
+    def save_weights(self, tenant: Tenant, body: Any) -> dict[str, Any]:
+        req = schemas.parse(schemas.SaveWeights, body)
+
+        def build() -> SaveArgs:
+            return requests.save_args(req)
+
+        return self.intake.submit_for_model(
+            tenant, req.model_id, req.seq_id, "save_weights", build, requests.fingerprint(body)
+        )
+
+    def save_for_sampler(self, tenant: Tenant, body: Any) -> dict[str, Any]:
+        req = schemas.parse(schemas.SaveWeightsForSampler, body)
+
+        def build() -> SaveSamplerArgs:
+            return requests.save_sampler_args(req)
+
+        # The SDK draws a new sampling_session_seq_id on every attempt of the same request
+        # (save_weights_and_get_sampling_client), so it is left out of the retry fingerprint: a
+        # retry whose first attempt reached us gets that attempt's future (whose result names
+        # the sampling session actually created), not a "different request" conflict.
+        same_request = {k: v for k, v in body.items() if k != "sampling_session_seq_id"}
+        return self.intake.submit_for_model(
+            tenant,
+            req.model_id,
+            req.seq_id,
+            "save_sampler",
+            build,
+            requests.fingerprint(same_request),
+        )
+
+    def load_weights(self, tenant: Tenant, body: Any) -> dict[str, Any]:
+        """Two requests share this route: create-from-state (session_id + model_seq_id) and the
+        deprecated in-place load_state (model_id + seq_id)."""
+        req = schemas.parse(schemas.LoadWeights, body)
+        fingerprint = requests.fingerprint(body)
+        if req.session_id is not None and req.model_seq_id is not None:
+            self.ownership.session(tenant, req.session_id)
+            checkpoint = self.ownership.checkpoint(tenant, parse_tinker_path(req.path))
+            if req.base_model is not None:
+                self.served.check(req.base_model)
+            requests.check_optimizer_type(req.optimizer_config)
+            model_id = ids.model_id(req.session_id, req.model_seq_id)
+            self.intake.check_new_model(model_id)
+            args = FromStateArgs(
+                req.session_id, req.base_model, checkpoint, req.optimizer, req.user_metadata
+            )
+            return self.intake.submit(
+                tenant,
+                "create_from_state",
+                args,
+                fingerprint=fingerprint,
+                model_id=model_id,
+                scope=model_id,
+                seq_id=0,
+                ordered=False,
+            )
+        if req.model_id is not None and req.seq_id is not None:
+
+            def build() -> LoadArgs:
+                return LoadArgs(
+                    self.ownership.checkpoint(tenant, parse_tinker_path(req.path)), req.optimizer
+                )
+
+            return self.intake.submit_for_model(
+                tenant, req.model_id, req.seq_id, "load_weights", build, fingerprint
+            )
+        raise UserError(
+            "load_weights needs session_id + model_seq_id (create from state) or model_id + seq_id (load_state)"
+        )

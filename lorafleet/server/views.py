@@ -1,0 +1,138 @@
+"""The JSON shapes the SDK reads back: server configuration, model info, training runs,
+checkpoints, samplers. Pure functions of rows, so every route that shows a run or a checkpoint
+shows it the same way."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from lorafleet.server import schemas
+from lorafleet.server.errors import UserError
+from lorafleet.server.paths import parse_tinker_path
+from lorafleet.server.served import ServedBase
+from lorafleet.server.store import CheckpointRow, ModelRow, SamplingSessionRow
+
+MAX_PAGE = 1000
+
+
+def client_config() -> dict[str, Any]:
+    return {
+        "pjwt_auth_enabled": False,
+        "parallel_fwdbwd_chunks": True,
+        "proto_compress_fwdbwd": False,
+        "sample_use_retrieve_futures": False,
+        "sample_join_sampling_session": False,
+        "custom_loss_server_side": False,
+    }
+
+
+def dynamic_config() -> dict[str, Any]:
+    return {
+        "refresh_interval_sec": 300,
+        "sample_cancel_enabled": False,
+        "sample_cancel_max_batch_size": 64,
+    }
+
+
+def capabilities(served: ServedBase) -> dict[str, Any]:
+    return {
+        "supported_models": [
+            {
+                "model_name": name,
+                "max_context_length": served.context_length,
+                "trainable": True,
+                "sampleable": True,
+            }
+            for name in served.names
+        ]
+    }
+
+
+def _iso(ts: float | None) -> str | None:
+    return None if ts is None else datetime.fromtimestamp(ts, UTC).isoformat()
+
+
+def _str_dict(value: dict[str, Any] | None) -> dict[str, str] | None:
+    return None if value is None else {str(k): str(v) for k, v in value.items()}
+
+
+def model_info(row: ModelRow, served: ServedBase) -> dict[str, Any]:
+    return {
+        "model_id": row.model_id,
+        "model_data": {
+            "arch": served.arch,
+            "model_name": row.base_model,
+            "tokenizer_id": str(served.base_path),
+        },
+        "is_lora": True,
+        "lora_rank": row.lora_rank,
+        "model_name": row.base_model,
+        "optimizer_config": {"type": "adamw"},
+        "type": "get_info",
+    }
+
+
+def checkpoint(row: CheckpointRow) -> dict[str, Any]:
+    path = parse_tinker_path(row.tinker_path)
+    return {
+        "checkpoint_id": path.checkpoint_id,
+        "checkpoint_type": row.kind,
+        "time": _iso(row.created_at),
+        "tinker_path": row.tinker_path,
+        "size_bytes": row.size_bytes,
+        "public": False,
+        "user_metadata": row.user_metadata,
+        "expires_at": _iso(row.expires_at),
+    }
+
+
+def training_run(
+    row: ModelRow, last: CheckpointRow | None, last_sampler: CheckpointRow | None
+) -> dict[str, Any]:
+    """`last` / `last_sampler`: the run's newest training and sampler checkpoints."""
+    return {
+        "training_run_id": row.model_id,
+        "base_model": row.base_model,
+        "model_owner": row.tenant,
+        "is_lora": True,
+        "corrupted": False,
+        "lora_rank": row.lora_rank,
+        "last_request_time": _iso(row.last_request_time),
+        "last_checkpoint": None if last is None else checkpoint(last),
+        "last_sampler_checkpoint": None if last_sampler is None else checkpoint(last_sampler),
+        "user_metadata": _str_dict(row.user_metadata),
+    }
+
+
+def weights_info(row: CheckpointRow) -> dict[str, Any]:
+    lora = row.info["lora"]
+    return {
+        "base_model": row.info["base_model"],
+        "is_lora": True,
+        "lora_rank": lora["rank"],
+        "train_unembed": lora["train_unembed"],
+        "train_mlp": lora["train_mlp"],
+        "train_attn": lora["train_attn"],
+        "optimizer_config": {"type": "adamw"},
+    }
+
+
+def sampler(row: SamplingSessionRow) -> dict[str, Any]:
+    return {
+        "sampler_id": row.sampling_session_id,
+        "base_model": row.base_model,
+        "model_path": row.model_path,
+    }
+
+
+def page(limit: int, offset: int) -> tuple[int, int]:
+    if not 1 <= limit <= MAX_PAGE or not 0 <= offset <= schemas.INT64_MAX:
+        raise UserError(
+            f"limit must be in [1, {MAX_PAGE}] and offset >= 0, got limit={limit}, offset={offset}"
+        )
+    return limit, offset
+
+
+def cursor(offset: int, limit: int, total: int) -> dict[str, int]:
+    return {"offset": offset, "limit": limit, "total_count": total}

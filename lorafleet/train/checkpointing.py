@@ -1,0 +1,154 @@
+"""A trainer slot and its AdamW state <-> the checkpoint format of `lorafleet.adapters`.
+
+The format is plain data (`adapters/checkpoint.py`); this module is the optimizer's side of
+it: the moments of one `BankAdamW` slot become per-layer tensors on save, and go back into a
+slot's optimizer state on restore, bit-exact. It lives in `train/` so that `adapters/` never
+imports the trainer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lorafleet.adapters.checkpoint import (
+    MOMENTS,
+    CheckpointError,
+    LayerTensors,
+    TrainingState,
+    apply_weights,
+    check_base_model,
+    check_fits,
+    read_training_state,
+    split_row_exact,
+    write_training_state,
+)
+from lorafleet.adapters.hparams import AdamHParams
+from lorafleet.fsio import PathLike
+from lorafleet.model.banks import BankSet
+from lorafleet.train.optim import BankAdamW
+
+__all__ = ["apply_training_state", "restore_training_state", "save_training_state"]
+
+
+def _check_optimizer(bank: BankSet, optimizer: BankAdamW | None) -> None:
+    if optimizer is None:
+        return
+    if optimizer.params.data_ptr() != bank.params.data_ptr() or tuple(
+        optimizer.params.shape
+    ) != tuple(bank.params.shape):
+        raise CheckpointError(
+            f"the optimizer does not manage bank {bank.name!r} (built over other params)"
+        )
+
+
+def save_training_state(
+    dest: PathLike,
+    *,
+    bank: BankSet,
+    slot: int,
+    optimizer: BankAdamW | None,
+    base_model_id: str,
+    hparams: AdamHParams | None,
+    metadata: dict[str, Any] | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Writes the adapter in `slot` (and its AdamW state, if `optimizer` is given) to `dest`.
+
+    A gradient accumulated but not yet stepped is not saved: checkpoints are taken between
+    optimizer steps, and a restored slot starts with no pending gradient.
+    """
+    _check_optimizer(bank, optimizer)
+    info = bank.check_slot(slot)
+    rank, targets = info.spec.rank, info.targets
+    weights = split_row_exact(bank, bank.params[slot], rank, targets, f"slot {slot} weights")
+    moments: dict[str, LayerTensors] | None = None
+    step: int | None = None
+    if optimizer is not None:
+        state = optimizer.slot_state(slot)
+        step = int(state["step"])
+        moments = {
+            name: split_row_exact(bank, state[name], rank, targets, f"slot {slot} optimizer {name}")
+            for name in MOMENTS
+        }
+    return write_training_state(
+        dest,
+        spec=info.spec,
+        base_model_id=base_model_id,
+        weights=weights,
+        moments=moments,
+        step=step,
+        hparams=hparams,
+        metadata=metadata,
+        overwrite=overwrite,
+    )
+
+
+def restore_training_state(
+    src: PathLike,
+    *,
+    bank: BankSet,
+    optimizer: BankAdamW | None,
+    base_model_id: str,
+    slot: int | None = None,
+    load_optimizer: bool = True,
+) -> int:
+    """Allocates a slot (any free one, or `slot`) holding the checkpointed adapter; returns it.
+
+    With an optimizer, the slot's AdamW state is the saved one (or fresh, when not saved or
+    `load_optimizer` is false). `optimizer=None` restores weights only, e.g. into an
+    inference bank. All checks run before the slot is claimed; a failure leaves it free.
+    """
+    src = Path(src)
+    return apply_training_state(
+        read_training_state(src),
+        src,
+        bank=bank,
+        optimizer=optimizer,
+        base_model_id=base_model_id,
+        slot=slot,
+        load_optimizer=load_optimizer,
+    )
+
+
+def apply_training_state(
+    state: TrainingState,
+    src: PathLike,
+    *,
+    bank: BankSet,
+    optimizer: BankAdamW | None,
+    base_model_id: str,
+    slot: int | None = None,
+    load_optimizer: bool = True,
+) -> int:
+    """`restore_training_state` for a checkpoint already read (and validated) by the caller, so
+    a server that checked it before queueing the load does not parse it again; `src` names it
+    in errors."""
+    if optimizer is None:
+        return apply_weights(state, src, bank=bank, base_model_id=base_model_id, slot=slot)
+    check_base_model(state, src, base_model_id)
+    _check_optimizer(bank, optimizer)
+    check_fits(state, bank, src)
+    spec = state.spec
+    assert spec.targets is not None
+    slot_state: dict[str, torch.Tensor] | None = None
+    if load_optimizer and state.moments is not None:
+        assert state.step is not None
+        slot_state = {
+            name: bank.join_row(state.moments[name], spec.rank, spec.targets) for name in MOMENTS
+        }
+        slot_state["step"] = torch.tensor(state.step, dtype=torch.int64)
+
+    slot = bank.allocate(spec, slot, initialize=False)
+    try:
+        bank.load_slot_weights(slot, state.weights)
+        optimizer.reset_slot(slot)
+        if slot_state is not None:
+            optimizer.load_slot_state(slot, slot_state)
+    except BaseException:
+        optimizer.reset_slot(slot)
+        bank.free(slot)
+        raise
+    return slot
