@@ -528,6 +528,7 @@ class RaySamplerPool:
         atomic)."""
         ray = ray_module()
         loaded: set[VersionKey] = set()
+        stale: list[VersionKey] = []  # set when the loop ends (nothing left to load)
         while True:
             with self.lock:
                 entries = self.versions.entries()

@@ -15,11 +15,15 @@ import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import tinker
 
 from lorafleet.fsio import atomic_directory, atomic_write_json, ensure_private_dir
 from lorafleet.hardware import DtypeChoice, resolve_dtype
+
+if TYPE_CHECKING:
+    from lorafleet.server.main import ServerThread
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +34,7 @@ class Backend:
     base_model: str  # the name the server knows the base by
     tokenizer_dir: Path | None  # local HF dir with the tokenizer (None: ask the server)
     data_dir: Path | None = None  # embedded only: where sampler weights live as PEFT dirs
-    server: object | None = field(default=None, repr=False)
+    server: ServerThread | None = field(default=None, repr=False)
 
     def client(self, api_key: str) -> tinker.ServiceClient:
         return tinker.ServiceClient(base_url=self.base_url, api_key=api_key)
@@ -46,7 +50,7 @@ class Backend:
 
     def close(self) -> None:
         if self.server is not None:
-            self.server.stop()  # type: ignore[attr-defined]
+            self.server.stop()
             self.server = None
 
 
@@ -142,7 +146,7 @@ def _local_tokenizer(base_model: str) -> Path | None:
     )
 
 
-def load_tokenizer(backend: Backend, training_client: tinker.TrainingClient):  # HF type
+def load_tokenizer(backend: Backend, training_client: tinker.TrainingClient) -> Any:  # HF type
     if backend.tokenizer_dir is not None:
         from transformers import AutoTokenizer
 

@@ -4,7 +4,7 @@ publishes without a name.
 Each is backed by files so that LRU eviction from the sampler bank (many tenants publishing)
 never loses one a client is about to sample from. Only the newest few per model are kept, and
 none survive a restart: the directory is wiped when the retention is built. This module decides
-numbering, placement and eviction; the executor exports, publishes and drops what it is told.
+numbering, placement and eviction; publishing.py exports, publishes and drops what it is told.
 """
 
 from __future__ import annotations

@@ -72,9 +72,7 @@ def build_executor(config: ServerConfig, store: Store, data_dir: Path) -> Execut
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)  # per thread for OpenMP: must run on the worker
     engine = config.engine or EngineConfig(base_model=config.base_model)
-    executor = Executor(engine, store, data_dir)
-    executor.torch_threads = torch.get_num_threads()
-    return executor
+    return Executor(engine, store, data_dir, torch_threads=torch.get_num_threads())
 
 
 def served_base(executor: Executor) -> ServedBase:

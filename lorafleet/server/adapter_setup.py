@@ -1,0 +1,96 @@
+"""Putting a model's adapter into a training slot: fresh (`create_model`), from a training
+checkpoint (`create_training_client_from_state`), or in place of the one it has (the deprecated
+`load_state`). Each checks what it can before touching a slot, so a refused request leaves the
+bank as it was."""
+
+from __future__ import annotations
+
+import secrets
+
+from lorafleet.adapters.checkpoint import CheckpointError
+from lorafleet.interfaces import Trainer
+from lorafleet.model.banks import AdapterSpec, BankError
+from lorafleet.model.targets import TargetError
+from lorafleet.server.checkpoint_files import CheckpointFiles
+from lorafleet.server.errors import UserError
+from lorafleet.server.futures import Result
+from lorafleet.server.live_models import LiveModels
+from lorafleet.server.payloads import CreateArgs, FromStateArgs, LoadArgs
+from lorafleet.server.scheduler import Op
+from lorafleet.server.target_sets import TargetSets
+
+
+class AdapterSetup:
+    def __init__(
+        self,
+        trainer: Trainer,
+        targets: TargetSets,
+        live: LiveModels,
+        checkpoints: CheckpointFiles,
+    ):
+        self.trainer = trainer
+        self.targets = targets
+        self.live = live
+        self.checkpoints = checkpoints
+
+    def create_model(self, op: Op) -> Result:
+        args: CreateArgs = op.payload
+        assert op.model_id is not None
+        lora = dict(args.lora)
+        if lora.get("seed") is None:
+            lora["seed"] = secrets.randbits(31)
+        self.live.require_free_slot()
+        try:
+            targets = self.targets.for_lora(lora)
+            spec = AdapterSpec(
+                rank=lora["rank"],
+                alpha=float(lora["alpha"]),
+                seed=int(lora["seed"]),
+                targets=targets,
+            )
+            slot = self.trainer.create_adapter(spec)
+        except (BankError, TargetError) as exc:
+            raise UserError(f"create_model: {exc}") from None
+        self.live.add(
+            op.model_id, op.tenant, args.session_id, args.base_model, slot, lora, args.user_metadata
+        )
+        return Result.json({"model_id": op.model_id, "type": "create_model"})
+
+    def create_from_state(self, op: Op) -> Result:
+        args: FromStateArgs = op.payload
+        assert op.model_id is not None
+        state = self.checkpoints.read_state(args.checkpoint, "create_training_client_from_state")
+        self.live.require_free_slot()
+        try:
+            slot = self.trainer.load_state(
+                state, with_optimizer=args.optimizer, source=args.checkpoint.dir
+            )
+        except (CheckpointError, BankError) as exc:
+            raise UserError(f"load {args.checkpoint.tinker_path}: {exc}") from None
+        lora = dict(args.checkpoint.info["lora"])
+        base_model = args.base_model or args.checkpoint.info["base_model"]
+        self.live.add(
+            op.model_id, op.tenant, args.session_id, base_model, slot, lora, args.user_metadata
+        )
+        return Result.json(
+            {"model_id": op.model_id, "path": args.checkpoint.tinker_path, "type": "load_weights"}
+        )
+
+    def load_weights(self, op: Op) -> Result:
+        """The deprecated in-place load_state: replaces the model's adapter and optimizer state."""
+        args: LoadArgs = op.payload
+        live = self.live.get(op.model_id)
+        state = self.checkpoints.read_state(args.checkpoint, "load_state")
+        spec = self.trainer.bank.check_slot(live.slot).spec
+        self.trainer.free_adapter(live.slot)
+        try:
+            self.trainer.load_state(
+                state, slot=live.slot, with_optimizer=args.optimizer, source=args.checkpoint.dir
+            )
+        except (CheckpointError, BankError) as exc:
+            # keep the model usable (freshly initialised)
+            self.trainer.create_adapter(spec, live.slot)
+            raise UserError(
+                f"load {args.checkpoint.tinker_path}: {exc}; the model was reset to a fresh adapter"
+            ) from None
+        return Result.json({"path": args.checkpoint.tinker_path, "type": "load_weights"})

@@ -1,0 +1,126 @@
+"""A model's checkpoints on disk and their rows: training state (`save_state`, with the
+optimizer), named sampler weights (PEFT files, published at once), reading a training state
+back, deletion. The row is written only after the files are complete, so a row always names
+a whole checkpoint (recovery.sweep removes files whose row never came)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from lorafleet.adapters.checkpoint import CheckpointError, TrainingState, read_training_state
+from lorafleet.adapters.peft_io import export_peft
+from lorafleet.interfaces import Trainer
+from lorafleet.server import faults
+from lorafleet.server.deletion import remove_tree
+from lorafleet.server.errors import UserError
+from lorafleet.server.live_models import LiveModel
+from lorafleet.server.paths import TinkerPath, checkpoint_dir, dir_size
+from lorafleet.server.payloads import SaveArgs, SaveSamplerArgs
+from lorafleet.server.publishing import VersionPublisher
+from lorafleet.server.store import CheckpointRow, Store
+
+
+def _metadata(value: dict[str, Any] | None) -> dict[str, str] | None:
+    return None if value is None else {str(k): str(v) for k, v in value.items()}
+
+
+class CheckpointFiles:
+    def __init__(
+        self,
+        store: Store,
+        trainer: Trainer,
+        publisher: VersionPublisher,
+        data_dir: Path,
+        base_id: str,
+        base_path: Path,
+    ):
+        self.store = store
+        self.trainer = trainer
+        self.publisher = publisher
+        self.data_dir = data_dir
+        self.base_id = base_id  # what a checkpoint records as its base
+        self.base_path = base_path  # what exported PEFT configs name as their base
+
+    def read_state(self, checkpoint: CheckpointRow, what: str) -> TrainingState:
+        """The training state `what` (the client call, for the error) loads from `checkpoint`."""
+        if checkpoint.kind != "training":
+            raise UserError(
+                f"{what} needs a training checkpoint (tinker://<model_id>/weights/<name>, from save_state); "
+                f"{checkpoint.tinker_path} holds sampler weights"
+            )
+        try:
+            return read_training_state(Path(checkpoint.dir))
+        except (CheckpointError, OSError) as exc:
+            raise UserError(f"checkpoint {checkpoint.tinker_path} cannot be read: {exc}") from None
+
+    def save_state(self, tenant: str, live: LiveModel, args: SaveArgs) -> str:
+        """Writes the model's training state; returns its tinker path."""
+        path = TinkerPath(live.model_id, "weights", args.name)
+        if self.store.get_checkpoint(str(path)) is not None and not args.overwrite:
+            raise UserError(f"checkpoint {path} already exists; pass overwrite=True to replace it")
+        dest = checkpoint_dir(self.data_dir, tenant, path)
+        faults.point("save_state.begin")
+        try:
+            self.trainer.save_state(
+                live.slot,
+                dest,
+                metadata={"tinker_path": str(path), "user_metadata": _metadata(args.user_metadata)},
+                overwrite=args.overwrite,
+            )
+        except (CheckpointError, FileExistsError) as exc:
+            raise UserError(f"save_state {path}: {exc}") from None
+        faults.point("save_state.end")
+        self.publisher.forget((str(path), 0))
+        self.store.put_checkpoint(self._row(tenant, path, dest, "training", args))
+        return str(path)
+
+    def save_sampler(self, tenant: str, live: LiveModel, name: str, args: SaveSamplerArgs) -> str:
+        """Exports the model's adapter as sampler checkpoint `name` and publishes it; returns
+        its tinker path."""
+        path = TinkerPath(live.model_id, "sampler_weights", name)
+        if self.store.get_checkpoint(str(path)) is not None:
+            raise UserError(f"sampler checkpoint {path} already exists; choose another name")
+        dest = checkpoint_dir(self.data_dir, tenant, path)
+        faults.point("save_sampler.begin")
+        try:
+            export_peft(
+                self.trainer.bank, live.slot, dest, base_model_name_or_path=str(self.base_path)
+            )
+        except (ValueError, FileExistsError) as exc:
+            raise UserError(f"save_weights_for_sampler {path}: {exc}") from None
+        faults.point("save_sampler.end")
+        self.store.put_checkpoint(self._row(tenant, path, dest, "sampler", args))
+        self.publisher.forget((str(path), 0))
+        self.publisher.publish_checkpoint(live.slot, str(path), dest)
+        return str(path)
+
+    def delete(self, checkpoint: CheckpointRow) -> None:
+        self.publisher.forget((checkpoint.tinker_path, 0))
+        self.store.delete_checkpoint(checkpoint.tinker_path)
+        remove_tree(Path(checkpoint.dir))
+
+    def _row(
+        self,
+        tenant: str,
+        path: TinkerPath,
+        dest: Path,
+        kind: str,
+        args: SaveArgs | SaveSamplerArgs,
+    ) -> CheckpointRow:
+        model = self.store.get_model(path.model_id)
+        assert model is not None
+        return CheckpointRow(
+            tinker_path=str(path),
+            tenant=tenant,
+            model_id=path.model_id,
+            kind=kind,
+            name=path.name,
+            dir=str(dest),
+            created_at=time.time(),
+            size_bytes=dir_size(dest),
+            user_metadata=_metadata(args.user_metadata),
+            expires_at=args.expires_at,
+            info={"base_model": model.base_model, "lora": model.lora, "base_id": self.base_id},
+        )

@@ -1,0 +1,19 @@
+"""Deleting a checkpoint or version directory so that a crash never leaves it half-deleted in
+view."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+from pathlib import Path
+
+
+def remove_tree(path: Path) -> None:
+    """Hides the directory with one rename, then deletes it (recovery.sweep removes the hidden
+    remains of a crash in between)."""
+    if not path.exists():
+        return
+    hidden = path.with_name(f".{path.name}.deleted-{secrets.token_hex(6)}")
+    os.rename(path, hidden)
+    shutil.rmtree(hidden)

@@ -1,0 +1,40 @@
+"""What a client asks before it trains: liveness, the SDK's configs, the served base and its
+limits. Telemetry is accepted and dropped."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+
+from lorafleet.server import views
+from lorafleet.server.routes import API
+from lorafleet.server.routes.bodies import tenant
+from lorafleet.server.served import ServedBase
+
+
+def add_routes(app: FastAPI, served: ServedBase) -> None:
+
+    @app.get(f"{API}/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.post(f"{API}/client/config")
+    async def client_config(request: Request) -> dict[str, Any]:
+        tenant(request)
+        return views.client_config()
+
+    @app.post(f"{API}/client/dynamic_config")
+    async def dynamic_config(request: Request) -> dict[str, Any]:
+        tenant(request)
+        return views.dynamic_config()
+
+    @app.get(f"{API}/get_server_capabilities")
+    async def capabilities(request: Request) -> dict[str, Any]:
+        tenant(request)
+        return views.capabilities(served)
+
+    @app.post(f"{API}/telemetry")
+    async def telemetry(request: Request) -> dict[str, str]:
+        tenant(request)
+        return {"status": "accepted"}

@@ -1,0 +1,127 @@
+"""Sample ops into the sampler: each request's adapter version is resolved first (a named
+checkpoint evicted from the sampler is registered again from its files; an ephemeral one that
+is gone is a user error), then the requests go to the sampler together, either run to
+completion (`run`) or queued into its running batch (`start`, then `step`)."""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+
+from lorafleet.interfaces import Sampler
+from lorafleet.sample import SampleRequest, SampleResult, UnknownVersionError, VersionError
+from lorafleet.sample.versions import detect_kind
+from lorafleet.server import proto
+from lorafleet.server.errors import ApiError, NotFound, UserError
+from lorafleet.server.futures import Result
+from lorafleet.server.payloads import SampleArgs
+from lorafleet.server.retention import VersionKey
+from lorafleet.server.scheduler import Op, PendingSample
+from lorafleet.server.store import Store
+
+Batch = list[tuple[int, SampleArgs, SampleRequest]]
+"""(index of the op, its arguments, the sampler's request) for the ops that passed their checks."""
+
+
+def _not_run() -> Result:
+    return Result.error(UserError("request was not run"))
+
+
+def _result(output: SampleResult, args: SampleArgs) -> Result:
+    if output.error is not None:
+        return Result.error(UserError(f"sample: {output.error.message}"))
+    return Result.proto(
+        proto.sample_response(
+            output,
+            prompt_logprobs=args.prompt_logprobs,
+            topk_prompt=args.topk_prompt,
+            topk_sample=args.topk_sample,
+            last_n=args.last_n,
+        )
+    )
+
+
+class SampleBatches:
+    def __init__(self, sampler: Sampler, store: Store, ephemeral_limit: int):
+        self.sampler = sampler
+        self.store = store
+        self.ephemeral_limit = ephemeral_limit  # named in the error for a version that is gone
+
+    def run(self, ops: list[Op]) -> list[Result]:
+        """Runs the ops' samples to completion in one call (samplers without a running batch)."""
+        results, batch = self._requests(ops)
+        if batch:
+            outputs = self.sampler.generate([request for _, _, request in batch])
+            for (i, args, _), output in zip(batch, outputs, strict=True):
+                results[i] = _result(output, args)
+        return [r if r is not None else _not_run() for r in results]
+
+    def start(self, ops: list[Op]) -> list[Result | PendingSample]:
+        """Queues the ops' samples into the sampler's running batch (continuous batching across
+        requests that arrive at different times); the scheduler then calls `step`. A sampler
+        whose batches run elsewhere (Ray replicas) completes them inside `submit`."""
+        results, batch = self._requests(ops)
+        items: list[Result | PendingSample] = [r if r is not None else _not_run() for r in results]
+        if batch:
+            futures = self.sampler.submit([request for _, _, request in batch])
+            for (i, args, _), future in zip(batch, futures, strict=True):
+                items[i] = PendingSample(future, partial(_result, args=args))
+        return items
+
+    def step(self) -> bool:
+        """One step of the running sample batch; False when it had nothing to do."""
+        return bool(self.sampler.step())
+
+    def _requests(self, ops: list[Op]) -> tuple[list[Result | None], Batch]:
+        results: list[Result | None] = [None] * len(ops)
+        batch: Batch = []
+        for i, op in enumerate(ops):
+            args: SampleArgs = op.payload
+            try:
+                key = self._version(args)
+            except ApiError as exc:
+                results[i] = Result.error(exc)
+                continue
+            request = SampleRequest(
+                prompt=args.prompt,
+                params=args.params,
+                adapter=key,
+                num_samples=args.num_samples,
+                prompt_logprobs=args.prompt_logprobs,
+                topk_prompt_logprobs=args.topk_prompt,
+                topk_sample_logprobs=args.topk_sample,
+            )
+            batch.append((i, args, request))
+        return results, batch
+
+    def _version(self, args: SampleArgs) -> VersionKey | None:
+        """The published version the request samples from (None: the base), published again
+        from its checkpoint's files if the sampler let it go."""
+        key = args.adapter
+        if key is None:
+            return None
+        versions = self.sampler.versions
+        if args.checkpoint_path is None:
+            try:
+                versions.info(key)
+            except UnknownVersionError:
+                raise UserError(
+                    "these sampler weights came from save_weights_and_get_sampling_client, whose weights are kept only "
+                    f"for the newest {self.ephemeral_limit} saves of a model and never across a server "
+                    "restart; use save_weights_for_sampler(name) for durable weights"
+                ) from None
+            return key
+        checkpoint = self.store.get_checkpoint(args.checkpoint_path)
+        if checkpoint is None:
+            raise NotFound(f"checkpoint {args.checkpoint_path} was deleted")
+        try:
+            versions.info(key)
+        except UnknownVersionError:
+            try:
+                detect_kind(Path(checkpoint.dir))
+                versions.register(key[0], key[1], checkpoint.dir)
+            except VersionError as exc:
+                raise UserError(
+                    f"checkpoint {args.checkpoint_path} cannot be sampled: {exc}"
+                ) from None
+        return key
