@@ -290,6 +290,7 @@ def trl_spec(
             }
             for p in problems
         ],
+        "system_prompt": tenant.system_prompt,
         "prompts_per_step": tenant.prompts_per_step,
         "group_size": tenant.group_size,
         "max_tokens": tenant.max_tokens,

@@ -45,6 +45,13 @@ def _load_envs(path: Path) -> Any:
     return module
 
 
+def _messages(spec: dict[str, Any], question: str) -> list[dict[str, str]]:
+    """The chat our side renders (rl/loop.py render_prompt): the same system turn, if any."""
+    system = spec.get("system_prompt")
+    head = [] if system is None else [{"role": "system", "content": system}]
+    return [*head, {"role": "user", "content": question}]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description="TRL GRPOTrainer side of bench/rl.py (runs in the TRL venv)"
@@ -165,7 +172,7 @@ def main() -> None:
     dataset = Dataset.from_list(
         [
             {
-                "prompt": [{"role": "user", "content": r["question"]}],
+                "prompt": _messages(spec, r["question"]),
                 "question": r["question"],
                 "answer": r["answer"],
             }
@@ -245,9 +252,7 @@ def main() -> None:
         }
         # TRL renders conversational prompts itself; check it gets our token ids.
         sample = rows[: min(len(rows), 16)]
-        ids, _, _ = trainer._tokenize_prompts(
-            [[{"role": "user", "content": r["question"]}] for r in sample]
-        )
+        ids, _, _ = trainer._tokenize_prompts([_messages(spec, r["question"]) for r in sample])
         prompt_ids_match = all(
             list(map(int, got)) == r["prompt_ids"] for got, r in zip(ids, sample, strict=True)
         )
