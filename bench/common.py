@@ -23,27 +23,17 @@ from pathlib import Path
 import torch
 
 from lorafleet.fsio import atomic_write_bytes
-from lorafleet.hardware import DtypeChoice, cpu_info, resolve_dtype
+from lorafleet.hardware import DtypeChoice, cpu_info, dtype_name, resolve_dtype
 from lorafleet.model.banks import AdapterSpec
 
-# What `--dtype` accepts, and the names the loaders and peers (PEFT, vLLM, TRL) take.
-DTYPE_ALIASES = {
-    "auto": "auto",
-    "float32": "float32",
-    "fp32": "float32",
-    "bfloat16": "bfloat16",
-    "bf16": "bfloat16",
-}
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _dtype_value(value: str) -> str:
-    name = DTYPE_ALIASES.get(value.strip().lower())
-    if name is None:
-        raise argparse.ArgumentTypeError(
-            f"--dtype {value!r} is not one of: {', '.join(DTYPE_ALIASES)}"
-        )
-    return name
+    try:
+        return dtype_name(value)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def add_dtype_option(parser: argparse.ArgumentParser, default: str = "auto") -> None:

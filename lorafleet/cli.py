@@ -63,16 +63,14 @@ def _register_models(subparsers: argparse._SubParsersAction) -> None:
 
 # --------------------------------------------------------------------------- dtype
 
-DTYPE_NAMES = ("auto", "float32", "fp32", "bfloat16", "bf16")
-
 
 def _dtype_value(value: str) -> str:
-    name = value.strip().lower()
-    if name not in DTYPE_NAMES:
-        raise argparse.ArgumentTypeError(
-            f"--dtype {value!r} is not one of: {', '.join(DTYPE_NAMES)}"
-        )
-    return name
+    from lorafleet.hardware import dtype_name
+
+    try:
+        return dtype_name(value)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _add_dtype_option(parser: argparse.ArgumentParser, what: str) -> None:

@@ -219,7 +219,22 @@ def _auto_dtype(device: str) -> DtypeChoice:
     return choose_dtype(device)
 
 
-_ALIASES = {"fp32": "float32", "bf16": "bfloat16"}
+# What `--dtype` accepts everywhere (CLI, benches), each to the name loaders and peers take.
+DTYPE_NAMES = {
+    "auto": "auto",
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+}
+
+
+def dtype_name(value: str) -> str:
+    """`value` spelled out (`bf16` -> `bfloat16`); ValueError naming `--dtype` otherwise."""
+    name = DTYPE_NAMES.get(value.strip().lower())
+    if name is None:
+        raise ValueError(f"--dtype {value!r} is not one of: {', '.join(DTYPE_NAMES)}")
+    return name
 
 
 def resolve_dtype(value: str | torch.dtype, device: str | torch.device = "cpu") -> DtypeChoice:
@@ -228,7 +243,7 @@ def resolve_dtype(value: str | torch.dtype, device: str | torch.device = "cpu") 
     if isinstance(value, torch.dtype):
         name = str(value).removeprefix("torch.")
         return DtypeChoice(name, "given explicitly", auto=False)
-    name = value.strip().lower()
+    name = dtype_name(value)
     if name == "auto":
         return _auto_dtype(str(torch.device(device)))
-    return DtypeChoice(_ALIASES.get(name, name), "given explicitly", auto=False)
+    return DtypeChoice(name, "given explicitly", auto=False)

@@ -13,11 +13,13 @@ from pathlib import Path
 
 import pytest
 
-# Before torch loads libgomp: a short spin, so a shared machine does not stall every parallel
-# region (lorafleet/cli.py, tame_openmp_spinning).
-os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+from lorafleet.cli import tame_openmp_spinning
 
-import torch
+# Before torch loads libgomp, as the CLI does: a shared machine must not stall every parallel
+# region (lorafleet/cli.py).
+tame_openmp_spinning()
+
+import torch  # noqa: E402 - after the spin setting, which torch reads on load
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("LORAFLEET_CACHE", str(Path.home() / ".cache" / "lorafleet-test"))

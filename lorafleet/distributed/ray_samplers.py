@@ -56,6 +56,7 @@ from lorafleet.sample.versions import (
     VersionError,
     VersionUnavailableError,
     detect_kind,
+    new_version_key,
 )
 
 log = logging.getLogger(__name__)
@@ -252,17 +253,7 @@ class RayVersionStore:
 
     # ================================================================ adding
     def _new_key(self, adapter_id: str, version: int | None) -> VersionKey:
-        if not isinstance(adapter_id, str) or not adapter_id:
-            raise ValueError(f"adapter_id must be a non-empty string, got {adapter_id!r}")
-        if version is None:
-            existing = [v for (a, v) in self._entries if a == adapter_id]
-            version = max(existing) + 1 if existing else 0
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise ValueError(f"version must be an integer >= 0, got {version!r}")
-        key = (adapter_id, version)
-        if key in self._entries:
-            raise VersionError(f"version {key!r} is already published; versions are immutable")
-        return key
+        return new_version_key(self._entries, adapter_id, version)
 
     def publish(
         self,

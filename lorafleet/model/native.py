@@ -28,7 +28,6 @@ import functools
 import hashlib
 import logging
 import os
-import platform
 import shutil
 import subprocess
 import tempfile
@@ -124,18 +123,9 @@ def _compiler() -> str | None:
 
 
 def _cpu_identity() -> str:
-    """What -march=native depends on: the CPU model and its feature flags."""
-    fields: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key in ("model name", "flags", "Features", "CPU part") and key not in fields:
-                    fields[key] = value.strip()
-    except OSError:
-        pass
-    return f"{platform.machine()}|{sorted(fields.items())}"
+    """What a build for this CPU depends on: its model and feature flags."""
+    info = cpu_info()
+    return f"{info.arch}|{info.model}|{sorted(info.flags)}"
 
 
 def _torch_uses_libgomp() -> bool:
@@ -308,7 +298,9 @@ def _load_path(path_name: str) -> tuple[NativeKernels | None, str]:
     return None, "; ".join(failures)
 
 
+@functools.cache
 def _load() -> tuple[NativeKernels | None, str]:
+    """The chosen path's kernels, decided once: every adapted layer's no-grad call asks."""
     try:
         path_name = chosen_path()
     except NativeKernelError as exc:

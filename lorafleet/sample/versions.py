@@ -16,6 +16,7 @@ Thread-safe: a trainer thread may publish while a sampler thread acquires and re
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -82,6 +83,22 @@ def _check_key(adapter_id: object, version: object) -> VersionKey:
     return (adapter_id, version)
 
 
+def new_version_key(
+    published: Iterable[VersionKey], adapter_id: str, version: int | None
+) -> VersionKey:
+    """The key a new version gets: `version` as given (checked), or one past this adapter's
+    latest in `published`; re-publishing a key raises, since versions are immutable. Shared by
+    every version store (this one, the Ray pool's)."""
+    keys = set(published)
+    if version is None:
+        existing = [v for (a, v) in keys if a == adapter_id]
+        version = max(existing) + 1 if existing else 0
+    key = _check_key(adapter_id, version)
+    if key in keys:
+        raise VersionError(f"version {key!r} is already published; versions are immutable")
+    return key
+
+
 class VersionStore:
     """(adapter_id, version) -> sampler slot, with pinning and LRU eviction."""
 
@@ -137,13 +154,7 @@ class VersionStore:
 
     # ------------------------------------------------------------------ adding
     def _new_key(self, adapter_id: str, version: int | None) -> VersionKey:
-        if version is None:
-            existing = [v for (a, v) in self._versions if a == adapter_id]
-            version = max(existing) + 1 if existing else 0
-        key = _check_key(adapter_id, version)
-        if key in self._versions:
-            raise VersionError(f"version {key!r} is already published; versions are immutable")
-        return key
+        return new_version_key(self._versions, adapter_id, version)
 
     def publish(
         self,

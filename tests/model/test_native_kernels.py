@@ -375,8 +375,10 @@ def test_native_for_rules():
 def fresh_load(monkeypatch, tmp_path):
     """A clean `_load` cache and a private lorafleet cache; restored afterwards."""
     monkeypatch.setenv("LORAFLEET_CACHE", str(tmp_path / "cache"))
+    native._load.cache_clear()
     native._load_path.cache_clear()
     yield tmp_path
+    native._load.cache_clear()
     native._load_path.cache_clear()
 
 
@@ -415,6 +417,7 @@ def test_build_is_private_cached_and_keyed_by_source(monkeypatch, fresh_load):
     changed = fresh_load / "lora_cpu.c"
     changed.write_text(native.SOURCE.read_text() + "\n/* changed */\n")
     monkeypatch.setattr(native, "SOURCE", changed)
+    native._load.cache_clear()
     native._load_path.cache_clear()
     rebuilt = native.kernels()
     assert rebuilt is not None and rebuilt.path != library
