@@ -2,7 +2,7 @@
 
     HF_HUB_OFFLINE=1 .venv/bin/python -m bench.reliability --json bench/results/reliability.json
 
-Four parts, the same code as tests/reliability (which runs them smaller in CI):
+Seven parts, the same code as tests/reliability (which runs them smaller in CI):
 - load: N official-SDK clients (16 here, 4 in CI), one tenant each, looping create ->
   forward_backward -> optim_step -> sample -> save_state, then each tenant's requests replayed
   alone on a fresh server; lost/duplicated requests, cross-tenant differences, p50/p99 latency;
@@ -11,7 +11,14 @@ Four parts, the same code as tests/reliability (which runs them smaller in CI):
   every reported save re-verified bit for bit after each restart;
 - fuzz: >= 1000 hostile requests (hypothesis) plus slow clients while a victim tenant trains;
 - security: bad keys on every route, cross-tenant probes, body limits, file modes, hostile
-  names, the bind-address default.
+  names, the bind-address default;
+- disk_full: the data dir on an 8 MiB filesystem (a tmpfs in a private mount namespace where
+  the machine permits one, else the server's injected-ENOSPC hook), filled with saves, then
+  freed: the engine lives on and saves work again without a restart;
+- moved_dir: checkpoints of several tenants, the data dir moved, a restart there: every
+  checkpoint lists, loads and samples (also from a schema-1 database with absolute paths);
+- big_request: the server's peak RSS growth for the largest sample request its caps allow,
+  and requests over the caps refused before any work.
 
 Everything runs on the tiny-qwen3 preset: the battery measures what the server survives, not
 its speed (bench/server.py measures speed). Nothing here asserts anything; the tests do.
@@ -37,6 +44,9 @@ REQUIRED = (
     "server_5xx",
     "crash_restarts_survived",
     "auth_bypasses",
+    "disk_full_recovered",
+    "checkpoints_lost_on_move",
+    "peak_rss_growth_mb",
 )
 
 
@@ -53,7 +63,9 @@ def _args() -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--only", default="load,crash,fuzz,security", help="comma-separated parts to run"
+        "--only",
+        default="load,crash,fuzz,security,disk_full,moved_dir,big_request",
+        help="comma-separated parts to run",
     )
     parser.add_argument(
         "--workdir", type=Path, default=None, help="keep data dirs and server logs here"
@@ -185,6 +197,58 @@ def main() -> int:
             )
         )
 
+    if "disk_full" in parts:
+        from tests.reliability.disk_full import run_disk_full
+
+        _log("disk_full: 8 MiB data disk ...")
+        disk = run_disk_full(workdir / "disk_full", size_mb=8)
+        out["disk_full"] = disk
+        rows.append(
+            (
+                "disk_full",
+                f"data dir on an 8 MiB disk ({disk['mode']}); {disk.get('saves_until_full')} saves until full, "
+                "one more, another tenant trains, checkpoints deleted, save again",
+                f"recovered {disk['disk_full_recovered']}, save while full -> {disk.get('save_while_full')}, "
+                f"other tenant {disk.get('other_tenant_training')}, healthz {disk.get('healthz_while_full')}, "
+                f"problems {len(disk['problems'])}",
+            )
+        )
+
+    if "moved_dir" in parts:
+        from tests.reliability.moved_dir import run_moved_dir
+
+        _log("moved_dir ...")
+        moved = run_moved_dir(workdir / "moved_dir", tenants=4, saves=2)
+        moved_old = run_moved_dir(workdir / "moved_dir_schema1", tenants=2, saves=1, schema_1=True)
+        out["moved_dir"] = {"relative": moved, "from_schema_1": moved_old}
+        rows.append(
+            (
+                "moved_dir",
+                f"{moved['checkpoints_saved']} + {moved_old['checkpoints_saved']} checkpoints (the second set "
+                "from a schema-1 database with absolute paths), data dir moved, restarted there",
+                f"lost {moved['checkpoints_lost_on_move'] + moved_old['checkpoints_lost_on_move']}, "
+                f"identical {moved['checkpoints_identical'] + moved_old['checkpoints_identical']}, "
+                f"problems {len(moved['problems']) + len(moved_old['problems'])}",
+            )
+        )
+
+    if "big_request" in parts:
+        from tests.reliability.big_request import run_big_request
+
+        _log("big_request: a sample request at the caps ...")
+        big = run_big_request(workdir / "big_request", max_tokens=64)
+        out["big_request"] = big
+        shape = big["shape"]
+        rows.append(
+            (
+                "big_request",
+                f"{shape['num_samples']} samples x {shape['max_tokens']} tokens x top-{shape['topk']} "
+                f"(~{big['estimated_response_bytes'] / 2**20:.1f} MiB, the caps' largest); then requests over each cap",
+                f"peak RSS +{big['peak_rss_growth_mb']} MB in {big['seconds']} s, refused over caps "
+                f"{big['over_cap_refused']} (+{big['refused_growth_mb']} MB)",
+            )
+        )
+
     load_out, crash_out, fuzz_out, sec_out = (
         out.get(k, {}) for k in ("load", "crash", "fuzz", "security")
     )
@@ -200,6 +264,14 @@ def main() -> int:
     out["auth_bypasses"] = sec_out.get("auth_bypasses", 0)
     out["isolation_leaks"] = sec_out.get("isolation_leaks", 0) + fuzz_out.get("foreign_2xx", 0)
     out["hostile_requests"] = fuzz_out.get("requests", 0)
+    if "disk_full" in out:
+        out["disk_full_recovered"] = out["disk_full"]["disk_full_recovered"]
+    if "moved_dir" in out:
+        out["checkpoints_lost_on_move"] = sum(
+            r["checkpoints_lost_on_move"] for r in out["moved_dir"].values()
+        )
+    if "big_request" in out:
+        out["peak_rss_growth_mb"] = out["big_request"]["peak_rss_growth_mb"]
     out["wall_s"] = time.perf_counter() - began
 
     print("\nreliability battery (tiny-qwen3)")
@@ -215,7 +287,7 @@ def main() -> int:
             )
     print(
         "\n"
-        + ", ".join(f"{k}={out[k]}" for k in REQUIRED)
+        + ", ".join(f"{k}={out[k]}" for k in REQUIRED if k in out)
         + f" (of {out['crash_cycles']} crash cycles)"
     )
     if args.json is not None:

@@ -61,6 +61,43 @@ def _register_models(subparsers: argparse._SubParsersAction) -> None:
     path_parser.set_defaults(func=_cmd_models_path)
 
 
+# --------------------------------------------------------------------------- tokenizer
+
+
+def _cmd_tokenizer(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from lorafleet.model.hub_cache import hub_name_of, install_tokenizer, tokenizer_name
+    from lorafleet.model.loader import resolve_base
+
+    _model_id, model_dir = resolve_base(args.model)
+    if args.name is None and hub_name_of(model_dir) is not None:
+        print(f"{hub_name_of(model_dir)} is a hub cache snapshot already: {model_dir}")
+        return 0
+    name = args.name or tokenizer_name(model_dir)
+    try:
+        snapshot = install_tokenizer(name, model_dir, Path(args.cache) if args.cache else None)
+    except FileExistsError as err:
+        raise ValueError(str(err)) from None
+    print(f"{name} {snapshot}")
+    return 0
+
+
+def _register_tokenizer(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "tokenizer",
+        help="a preset's tokenizer into the HF hub cache, so Tinker clients load it by name offline",
+    )
+    parser.add_argument("model", help="preset name (built here if needed) or local HF model dir")
+    parser.add_argument(
+        "--name", default=None, help="name to load it by (default: the preset's or dir's name)"
+    )
+    parser.add_argument(
+        "--cache", default=None, help="hub cache dir (default: $HF_HUB_CACHE as transformers uses)"
+    )
+    parser.set_defaults(func=_cmd_tokenizer)
+
+
 # --------------------------------------------------------------------------- dtype
 
 
@@ -148,8 +185,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         engine=engine,
         torch_threads=args.torch_threads,
         batch_window_s=args.batch_window_ms / 1000.0,
+        allow_recovery_deletes=args.allow_recovery_deletes,
+        gap_timeout_s=args.gap_timeout_s,
     )
-    serve(config)
+    from lorafleet.server.recovery import RecoveryRefused
+    from lorafleet.server.store import StoreError
+
+    try:
+        serve(config)
+    except (RecoveryRefused, StoreError) as exc:
+        raise SystemExit(f"lorafleet serve: {exc}") from None
     return 0
 
 
@@ -173,6 +218,16 @@ def _dist_config(args: argparse.Namespace) -> DistConfig | None:
     except ValueError as exc:
         raise SystemExit(f"lorafleet serve: {exc}") from None
     return config
+
+
+def _positive_seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {value!r}") from None
+    if not 0 < seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {value!r}")
+    return seconds
 
 
 def _register_serve(subparsers: argparse._SubParsersAction) -> None:
@@ -209,6 +264,20 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
         help="wait this long for more requests before each engine round",
     )
     parser.add_argument(
+        "--gap-timeout-s",
+        type=_positive_seconds,
+        default=30.0,
+        help="skip a model's seq_id that has not arrived after this long, so the calls "
+        "queued behind a lost request run (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--allow-recovery-deletes",
+        action="store_true",
+        help="let start-up recovery delete more checkpoint directories without a database row "
+        "than a crash leaves (it refuses otherwise, e.g. when the data dir does not match its "
+        "database)",
+    )
+    parser.add_argument(
         "--trainer-ranks",
         type=int,
         default=1,
@@ -234,6 +303,18 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
 
 # --------------------------------------------------------------------------- rl / sft
 
+SDK_RETRY_LOGGER = "tinker.lib.api_future_impl"
+"""The SDK's logger that warns "Retrying request ... because of try_again" each time a long-poll
+ends before its future is done: routine for training steps longer than a poll, and it would
+drown our progress bars. Only our commands quiet it; a user's program that imports lorafleet
+keeps the SDK's logging as the user set it."""
+
+
+def quiet_sdk_retries() -> None:
+    import logging
+
+    logging.getLogger(SDK_RETRY_LOGGER).setLevel(logging.ERROR)
+
 
 def _cycle(values: str, count: int, cast: Callable[[str], object], flag: str) -> list:
     """`--lr 1e-4,3e-4` gives tenant i the i-th value, cycling when there are fewer values."""
@@ -251,6 +332,7 @@ def _cmd_rl(args: argparse.Namespace) -> int:
 
     from lorafleet.rl.loop import RLConfig, TenantConfig, run_rl
 
+    quiet_sdk_retries()
     n = args.tenants
     if n < 1:
         raise ValueError(f"--tenants must be >= 1, got {n}")
@@ -362,6 +444,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
 
     from lorafleet.rl.sft import SFTConfig, run_sft
 
+    quiet_sdk_retries()
     run_sft(
         SFTConfig(
             base_model=args.base_model,
@@ -416,6 +499,7 @@ def _register_sft(subparsers: argparse._SubParsersAction) -> None:
 
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _register_models,
+    _register_tokenizer,
     _register_demo,
     _register_serve,
     _register_rl,

@@ -26,13 +26,13 @@ if TYPE_CHECKING:
     import torch
 
     from lorafleet.adapters.checkpoint import TrainingState
+    from lorafleet.adapters.hparams import OptimHParams
     from lorafleet.fsio import PathLike
     from lorafleet.model.banks import AdapterSpec, SlotInfo
     from lorafleet.sample.types import SampleRequest, SampleResult, VersionKey
     from lorafleet.sample.validate import ModelLimits
     from lorafleet.train.engine import BatchOutput
     from lorafleet.train.items import PreparedItem, TrainItem
-    from lorafleet.train.optim import AdamHParams
 
 __all__ = [
     "AdapterBank",
@@ -109,7 +109,11 @@ class Trainer(Protocol):
     @property
     def max_length(self) -> int | None: ...
 
-    def create_adapter(self, spec: AdapterSpec, slot: int | None = None) -> int: ...
+    def create_adapter(
+        self, spec: AdapterSpec, slot: int | None = None, *, optimizer: str = "adamw"
+    ) -> int:
+        """`optimizer`: the adapter's optimizer family for life (`adapters.hparams.OPTIMIZERS`)."""
+        ...
 
     def free_adapter(self, slot: int) -> None: ...
 
@@ -127,7 +131,7 @@ class Trainer(Protocol):
         self, items: Sequence[TrainItem] | Sequence[PreparedItem]
     ) -> BatchOutput: ...
 
-    def optim_step(self, hparams: Mapping[int, AdamHParams]) -> dict[int, dict[str, float]]: ...
+    def optim_step(self, hparams: Mapping[int, OptimHParams]) -> dict[int, dict[str, float]]: ...
 
     def save_state(
         self,
@@ -145,6 +149,7 @@ class Trainer(Protocol):
         slot: int | None = None,
         with_optimizer: bool = True,
         source: str | Path | None = None,
+        optimizer: str | None = None,
     ) -> int: ...
 
     def export_peft(self, slot: int, dest: str | Path, *, overwrite: bool = False) -> Path: ...
@@ -171,6 +176,10 @@ class VersionStore(Protocol):
 
     def resident(self) -> list[VersionKey]: ...
 
+    def retiring(self) -> list[VersionKey]:
+        """Versions retired while running sequences still use them (dropped after the last)."""
+        ...
+
     def publish(
         self,
         adapter_id: str,
@@ -188,6 +197,10 @@ class VersionStore(Protocol):
     def evict(self, key: VersionKey) -> None: ...
 
     def drop(self, key: VersionKey) -> None: ...
+
+    def retire(self, key: VersionKey) -> bool:
+        """Drops `key` once no running sequence uses it (True: at once); refuses new use now."""
+        ...
 
 
 class Sampler(Protocol):
@@ -212,6 +225,11 @@ class Sampler(Protocol):
     def step(self) -> bool: ...
 
     def generate(self, requests: Sequence[SampleRequest]) -> list[SampleResult]: ...
+
+    def probe_logprobs(self, key: VersionKey | None, tokens: Sequence[int]) -> torch.Tensor:
+        """Log-probs of tokens[1:] under `key` (None = base) at once, beside the running batch
+        (the canary's side, `lorafleet.sample.canary_probe`)."""
+        ...
 
     def release_cache(self) -> None: ...
 

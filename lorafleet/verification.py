@@ -3,7 +3,8 @@
 This is the glue that needs both engines, so it sits above `lorafleet.train` and
 `lorafleet.sample` (neither imports it): it asks the trainer for its log-probs of the canary
 prompt for the published slot (`Trainer.canary_logprobs`) and the sampler for its own under the
-new version and under the base model (`sampler_canary_logprobs`, the real sampling path), and
+new version and under the base model (`sampler_canary_logprobs`: the sampling path's forward,
+run beside the running batch, so a publish never waits behind other callers' samples), and
 hands them to the pure rules of `lorafleet.canary`. The base model's log-probs come from the
 sampler in the same check, so the "differs from base" rule compares like with like.
 

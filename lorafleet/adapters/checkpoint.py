@@ -4,8 +4,10 @@ A checkpoint is a directory:
 - `state.json`: format version, the adapter's signature (rank, alpha, rsLoRA, target module
   paths, base model id), seed, optimizer step, last hyper-parameters, user metadata;
 - `weights.safetensors`: `<module path>.A` [rank, in] and `<module path>.B` [out, rank], fp32;
-- `optimizer.safetensors` (when saved with an optimizer): the AdamW moments in the same
-  per-layer form (`exp_avg.<path>.A`, `exp_avg_sq.<path>.B`, ...) plus the 0-d int64 `step`.
+- `optimizer.safetensors` (when saved with an optimizer): the optimizer's moments in the same
+  per-layer form (AdamW: `exp_avg.<path>.A`, `exp_avg_sq.<path>.B`, ...; Dimuon:
+  `momentum.<path>.A`, ...) plus the 0-d int64 `step`. `state.json` names the family under
+  `optimizer`; a checkpoint without that field predates Dimuon and is AdamW.
 
 Tensors are stored per layer, never as the bank's flat row, because the row layout depends on
 the bank (r_max, which layers it wraps, their order): a checkpoint must restore into another
@@ -32,7 +34,13 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from lorafleet.adapters.hparams import AdamHParams
+from lorafleet.adapters.hparams import (
+    OPTIMIZERS,
+    AdamHParams,
+    DimuonHParams,
+    OptimHParams,
+    hparams_from_dict,
+)
 from lorafleet.fsio import PathLike, atomic_directory, atomic_save_safetensors, atomic_write_json
 from lorafleet.model.banks import AdapterSpec, BankSet
 
@@ -40,6 +48,7 @@ __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
     "MOMENTS",
+    "OPTIMIZER_MOMENTS",
     "CheckpointError",
     "LayerTensors",
     "TrainingState",
@@ -58,6 +67,7 @@ STATE_NAME = "state.json"
 WEIGHTS_NAME = "weights.safetensors"
 OPTIMIZER_NAME = "optimizer.safetensors"
 MOMENTS = ("exp_avg", "exp_avg_sq")
+OPTIMIZER_MOMENTS: dict[str, tuple[str, ...]] = {"adamw": MOMENTS, "dimuon": ("momentum",)}
 
 LayerTensors = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
@@ -73,11 +83,12 @@ class TrainingState:
     spec: AdapterSpec  # targets = module paths, seed = the adapter's init seed
     base_model_id: str
     weights: LayerTensors  # path -> (A[rank, in], B[out, rank]), fp32
-    moments: dict[str, LayerTensors] | None  # "exp_avg"/"exp_avg_sq" -> per-layer, like weights
+    moments: dict[str, LayerTensors] | None  # OPTIMIZER_MOMENTS[optimizer] -> per-layer
     step: int | None  # optimizer steps taken; None when saved without an optimizer
-    hparams: AdamHParams | None
+    hparams: OptimHParams | None
     metadata: dict[str, Any]
     created_at: str
+    optimizer: str = "adamw"  # the family the adapter was trained with (OPTIMIZERS)
 
 
 # ---------------------------------------------------------------------------------- save
@@ -116,16 +127,23 @@ def write_training_state(
     weights: LayerTensors,
     moments: Mapping[str, LayerTensors] | None,
     step: int | None,
-    hparams: AdamHParams | None,
+    hparams: OptimHParams | None,
     metadata: dict[str, Any] | None = None,
     overwrite: bool = False,
+    optimizer: str = "adamw",
 ) -> Path:
     """Writes a checkpoint from its layout-free parts (per-layer A/B, per-layer moments), e.g.
     gathered from the ranks of a sharded trainer; `spec.targets` lists the layers in order."""
     if not isinstance(base_model_id, str) or not base_model_id:
         raise CheckpointError(f"base_model_id must be a non-empty string, got {base_model_id!r}")
-    if hparams is not None and not isinstance(hparams, AdamHParams):
-        raise CheckpointError(f"hparams must be AdamHParams or None, got {type(hparams).__name__}")
+    if optimizer not in OPTIMIZERS:
+        raise CheckpointError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    hparams_type = AdamHParams if optimizer == "adamw" else DimuonHParams
+    if hparams is not None and not isinstance(hparams, hparams_type):
+        raise CheckpointError(
+            f"hparams of a {optimizer} checkpoint must be {hparams_type.__name__} or None, "
+            f"got {type(hparams).__name__}"
+        )
     metadata = {} if metadata is None else metadata
     if not isinstance(metadata, dict):
         raise CheckpointError(f"metadata must be a dict, got {type(metadata).__name__}")
@@ -149,7 +167,12 @@ def write_training_state(
     if moments is not None:
         assert step is not None
         opt_tensors = {"step": torch.tensor(int(step), dtype=torch.int64)}
-        for name in MOMENTS:
+        if sorted(moments) != sorted(OPTIMIZER_MOMENTS[optimizer]):
+            raise CheckpointError(
+                f"{optimizer} optimizer state is {list(OPTIMIZER_MOMENTS[optimizer])}, "
+                f"got {sorted(moments)}"
+            )
+        for name in OPTIMIZER_MOMENTS[optimizer]:
             if list(moments[name]) != list(spec.targets):
                 raise CheckpointError(
                     f"optimizer {name} covers other layers than the adapter's targets"
@@ -171,6 +194,7 @@ def write_training_state(
         "seed": spec.seed,
         "step": step,
         "has_optimizer_state": opt_tensors is not None,
+        "optimizer": optimizer,
         "hparams": hparams.to_dict() if hparams is not None else None,
         "metadata": metadata,
         "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -293,9 +317,13 @@ def read_training_state(src: PathLike) -> TrainingState:
         raise CheckpointError(
             f"{where}: step must be a non-negative integer with optimizer state, got {step!r}"
         )
+    optimizer = doc.get("optimizer", "adamw")
+    if optimizer not in OPTIMIZERS:
+        raise CheckpointError(f"{where}: optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    moment_names = OPTIMIZER_MOMENTS[optimizer]
     hparams_doc = _field(doc, "hparams", (dict, type(None)), where)
     try:
-        hparams = AdamHParams.from_dict(hparams_doc) if hparams_doc is not None else None
+        hparams = hparams_from_dict(optimizer, hparams_doc) if hparams_doc is not None else None
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"{where}: invalid hparams: {exc}") from exc
     metadata = _field(doc, "metadata", dict, where)
@@ -310,18 +338,20 @@ def read_training_state(src: PathLike) -> TrainingState:
     opt_path = src / OPTIMIZER_NAME
     if has_opt:
         raw_opt = _load_tensors(opt_path)
-        expected = {"step"} | {f"{m}.{p}.{w}" for m in MOMENTS for p in targets for w in ("A", "B")}
+        expected = {"step"} | {
+            f"{m}.{p}.{w}" for m in moment_names for p in targets for w in ("A", "B")
+        }
         _check_keys(raw_opt, expected, opt_path)
         saved_step = raw_opt["step"]
         if saved_step.dtype != torch.int64 or saved_step.dim() != 0 or int(saved_step) != step:
             raise CheckpointError(
                 f"{opt_path}: step tensor {saved_step!r} does not match state.json step {step}"
             )
-        moments = {m: _layer_tensors(raw_opt, f"{m}.", spec, opt_path) for m in MOMENTS}
-        for path, pair in moments["exp_avg_sq"].items():
+        moments = {m: _layer_tensors(raw_opt, f"{m}.", spec, opt_path) for m in moment_names}
+        for path, pair in moments.get("exp_avg_sq", {}).items():
             if any(bool((t < 0).any()) for t in pair):
                 raise CheckpointError(f"{opt_path}: exp_avg_sq of {path} has negative values")
-        for name in MOMENTS:
+        for name in moment_names:
             for path, (A, B) in moments[name].items():
                 if A.shape != weights[path][0].shape or B.shape != weights[path][1].shape:
                     raise CheckpointError(
@@ -341,6 +371,7 @@ def read_training_state(src: PathLike) -> TrainingState:
         hparams=hparams,
         metadata=metadata,
         created_at=created_at,
+        optimizer=optimizer,
     )
 
 

@@ -1,4 +1,4 @@
-"""Per-adapter AdamW hyper-parameters as plain data.
+"""Per-adapter optimizer hyper-parameters (AdamW, Dimuon) as plain data.
 
 They live here, not in `lorafleet.train`, because a checkpoint records the last ones an
 adapter was stepped with (`adapters/checkpoint.py` reads and writes them): the checkpoint
@@ -12,7 +12,11 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-__all__ = ["AdamHParams"]
+__all__ = ["OPTIMIZERS", "AdamHParams", "DimuonHParams", "OptimHParams", "hparams_from_dict"]
+
+OPTIMIZERS = ("adamw", "dimuon")
+"""The optimizer families a training adapter can be created with (Tinker's `optimizer_config`
+types); one is fixed for the adapter's lifetime."""
 
 
 @dataclass(frozen=True)
@@ -71,3 +75,58 @@ class AdamHParams:
         hp = cls(**dict(d))
         hp.validate()
         return hp
+
+
+@dataclass(frozen=True)
+class DimuonHParams:
+    """Per-slot Dimuon hyper-parameters: exactly the fields of SDK 0.38's ``DimuonParams``.
+
+    Validated at the optimizer boundary like ``AdamHParams``. ``grad_clip_norm <= 0`` disables
+    clipping (the SDK documents "nonpositive values disable"), so it is never refused.
+    """
+
+    learning_rate: float
+    beta1: float = 0.9
+    grad_clip_norm: float = 0.0
+
+    def validate(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"DimuonHParams.{f.name} must be a real number, got {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"DimuonHParams.{f.name} must be finite, got {value!r}")
+        if self.learning_rate < 0:
+            raise ValueError(
+                f"DimuonHParams.learning_rate must be >= 0, got {self.learning_rate!r}"
+            )
+        if not 0.0 <= self.beta1 < 1.0:
+            raise ValueError(f"DimuonHParams.beta1 must be in [0, 1), got {self.beta1!r}")
+
+    def to_dict(self) -> dict[str, float]:
+        return {k: float(v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> DimuonHParams:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"DimuonHParams: unknown field(s) {unknown}")
+        if "learning_rate" not in d:
+            raise ValueError("DimuonHParams: missing required field 'learning_rate'")
+        hp = cls(**dict(d))
+        hp.validate()
+        return hp
+
+
+OptimHParams = AdamHParams | DimuonHParams
+"""One optim step's hyper-parameters, of the family the adapter was created with."""
+
+
+def hparams_from_dict(optimizer: str, d: Mapping[str, Any]) -> OptimHParams:
+    """Reads a checkpoint's recorded hyper-parameters for its optimizer family."""
+    if optimizer == "adamw":
+        return AdamHParams.from_dict(d)
+    if optimizer == "dimuon":
+        return DimuonHParams.from_dict(d)
+    raise ValueError(f"unknown optimizer {optimizer!r}; known: {', '.join(OPTIMIZERS)}")

@@ -471,6 +471,6 @@ class ShardedTrainer:
 
         slot = self._agreed(load, undo)
         self.pending.discard(slot)
-        if state.hparams is not None:
+        if isinstance(state.hparams, AdamHParams):  # the driver refuses other families
             self.hparams[slot] = state.hparams
         return slot

@@ -48,7 +48,7 @@ from lorafleet.distributed.wire import Payload, WirePayload, from_wire, to_wire
 from lorafleet.fsio import PathLike
 from lorafleet.interfaces import AdapterBank, Trainer
 from lorafleet.model.banks import AdapterSpec
-from lorafleet.sample.canary_probe import version_name
+from lorafleet.sample.canary_probe import generated_prompt_logprobs, version_name
 from lorafleet.sample.types import SampleRequest, SampleResult, VersionKey
 from lorafleet.sample.validate import ModelLimits
 from lorafleet.sample.versions import (
@@ -323,6 +323,16 @@ class RayVersionStore:
     def evict(self, key: VersionKey) -> None:
         self.info(key)
         self._pool.evict_everywhere(key)
+
+    def retiring(self) -> list[VersionKey]:
+        """Always empty: `retire` drops at once here."""
+        return []
+
+    def retire(self, key: VersionKey) -> bool:
+        """Dropping at once is retiring here: replicas run each batch to completion inside the
+        server's call, so no sequence outlives it."""
+        self.drop(key)
+        return True
 
     # ================================================================ sources
     def _is_trainer(self, source: AdapterBank) -> bool:
@@ -664,6 +674,10 @@ class RaySamplerPool:
         if all(r is not None for r in results):
             return [r for r in results if r is not None]  # the last attempt's errors stand
         raise RuntimeError(f"the batch failed on every sampler replica ({attempts} attempts)")
+
+    def probe_logprobs(self, key: VersionKey | None, tokens: Sequence[int]) -> torch.Tensor:
+        """Through `generate`: batches run to completion on a replica, nothing queues here."""
+        return generated_prompt_logprobs(self, key, tokens)
 
     def generate_on(self, index: int, requests: Sequence[SampleRequest]) -> list[SampleResult]:
         """Runs a batch on one given replica (tests: every replica must serve the same)."""

@@ -21,12 +21,18 @@ from typing import Any, Protocol
 import torch
 
 from lorafleet.adapters.checkpoint import TrainingState, read_training_state, write_training_state
+from lorafleet.adapters.hparams import OptimHParams
 from lorafleet.adapters.peft_io import export_peft, read_peft
 from lorafleet.model.banks import AdapterSpec, BankError, SlotInfo, SlotTable
 from lorafleet.train.canary_probe import trainer_canary_logprobs
 from lorafleet.train.engine import BatchOutput
 from lorafleet.train.items import ItemLimits, PreparedItem, TrainItem
 from lorafleet.train.optim import AdamHParams
+
+_ADAMW_ONLY = (
+    "the sharded (FSDP) trainer supports only the adamw optimizer: its ranks shard AdamW "
+    "moments by slot and have no Dimuon state; run a single-process server for dimuon"
+)
 
 
 class RankClient(Protocol):
@@ -155,7 +161,11 @@ class DistTrainEngine:
         return free[0]
 
     # ---------------------------------------------------------------- adapters
-    def create_adapter(self, spec: AdapterSpec, slot: int | None = None) -> int:
+    def create_adapter(
+        self, spec: AdapterSpec, slot: int | None = None, *, optimizer: str = "adamw"
+    ) -> int:
+        if optimizer != "adamw":
+            raise ValueError(f"optimizer {optimizer!r} refused: {_ADAMW_ONLY}")
         spec.validate()
         slot = self._pick_slot(slot)
         self._changed()
@@ -196,12 +206,16 @@ class DistTrainEngine:
             "forward_backward", items=self._item_limits().ensure_prepared(items)
         )
 
-    def optim_step(self, hparams: Mapping[int, AdamHParams]) -> dict[int, dict[str, float]]:
-        for slot in hparams:
+    def optim_step(self, hparams: Mapping[int, OptimHParams]) -> dict[int, dict[str, float]]:
+        adam: dict[int, AdamHParams] = {}
+        for slot, hp in hparams.items():
             self.bank.check_slot(slot)
+            if not isinstance(hp, AdamHParams):
+                raise ValueError(f"slot {slot}: {type(hp).__name__} refused: {_ADAMW_ONLY}")
+            adam[slot] = hp
         self._changed()
-        metrics = self.client.call("optim_step", hparams=dict(hparams))
-        self.hparams.update(hparams)
+        metrics = self.client.call("optim_step", hparams=adam)
+        self.hparams.update(adam)
         return metrics
 
     # ---------------------------------------------------------------- state files (written here)
@@ -231,19 +245,23 @@ class DistTrainEngine:
         slot: int | None = None,
         with_optimizer: bool = True,
         source: str | Path | None = None,
+        optimizer: str | None = None,
     ) -> int:
         """Reads the checkpoint here and ships it to the ranks (they never read server paths)."""
         if isinstance(src, TrainingState):
             state, where = src, str(source or "<checkpoint>")
         else:
             state, where = read_training_state(Path(src)), str(src)
+        family = state.optimizer if optimizer is None else optimizer
+        if family != "adamw":
+            raise ValueError(f"{where}: optimizer {family!r} refused: {_ADAMW_ONLY}")
         slot = self._pick_slot(slot)
         self._changed()
         slot = self.client.call(
             "load_state", state=state, slot=slot, with_optimizer=with_optimizer, source=where
         )
         self.bank._set(slot, state.spec)
-        if state.hparams is not None:
+        if isinstance(state.hparams, AdamHParams):
             self.hparams[slot] = state.hparams
         return slot
 

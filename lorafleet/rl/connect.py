@@ -151,7 +151,7 @@ def load_tokenizer(backend: Backend, training_client: tinker.TrainingClient) -> 
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(backend.tokenizer_dir))
-    return training_client.get_tokenizer()  # the server's tokenizer_id (a local path for lorafleet)
+    return training_client.get_tokenizer()  # the server's tokenizer_id: a hub-style name
 
 
 def export_adapter(backend: Backend, api_key: str, sampler_path: str, dest: Path) -> Path | None:

@@ -3,6 +3,7 @@ that verifies a publish against the trainer is `lorafleet.verification`, above t
 
 from lorafleet.sample.engine import SampleEngine
 from lorafleet.sample.types import (
+    PromptAltTokens,
     SampledSequence,
     SampleError,
     SampleRequest,
@@ -15,12 +16,14 @@ from lorafleet.sample.versions import (
     NoFreeSlotError,
     UnknownVersionError,
     VersionError,
+    VersionRetiredError,
     VersionStore,
     VersionUnavailableError,
 )
 
 __all__ = [
     "NoFreeSlotError",
+    "PromptAltTokens",
     "SampleEngine",
     "SampleError",
     "SampleRequest",
@@ -31,6 +34,7 @@ __all__ = [
     "UnknownVersionError",
     "VersionError",
     "VersionKey",
+    "VersionRetiredError",
     "VersionStore",
     "VersionUnavailableError",
 ]

@@ -7,14 +7,16 @@ keep decoding, so a long sequence never holds the batch hostage. Requests join t
 whenever they arrive: `submit` queues them from any thread and returns futures, `step` advances
 the batch by one engine step (whoever drives it: the server's worker between training rounds,
 or `generate`, which submits and steps until its own requests are done). One engine step is:
-1. admit waiting sequences into free rows (pinning their adapter version; one prefill forward
-   per admission round, a prompt shared by several samples is prefilled once and its KV copied);
+1. admit waiting sequences into free rows, callers taking turns (admission.py; pinning their
+   adapter version; one prefill forward per admission round, a prompt shared by several
+   samples is prefilled once and its KV copied);
 2. one decode forward over all running rows (one new token each);
 3. retire finished rows, compacting the pool so running rows stay contiguous.
 
-Log-probs. The log-prob reported for each sampled token (and for prompt tokens and top-k lists)
-is `log_softmax` of the model's raw logits: temperature 1, before top-k/top-p filtering. This is
-vLLM's default (`logprobs_mode="raw_logprobs"`) and it is the quantity the training engine
+Log-probs. The log-prob reported for each sampled token (and for prompt tokens, top-k lists,
+target ids and alternative prompt tokens) is `log_softmax` of the model's raw logits:
+temperature 1, before top-k/top-p filtering. This is vLLM's default
+(`logprobs_mode="raw_logprobs"`) and it is the quantity the training engine
 computes for the same tokens, which importance-sampling losses compare against (`logprobs` in
 `loss_fn_inputs` is the sampler's). With temperature != 1 or filtering, the distribution that
 actually drew the token differs from the one reported; callers that need the sampling
@@ -28,7 +30,7 @@ unloadable version gets its own `SampleResult.error`; the others run unchanged.
 from __future__ import annotations
 
 import threading
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -38,10 +40,19 @@ import torch
 
 from lorafleet.model.adapted import AdaptedModel
 from lorafleet.model.routing import BASE_SLOT
+from lorafleet.sample.admission import FairQueue
 from lorafleet.sample.kvcache import RowCache
-from lorafleet.sample.sampling import choose_tokens, gather_logprobs, sequence_generator, topk_lists
+from lorafleet.sample.sampling import (
+    alternatives_generator,
+    choose_tokens,
+    draw_alternatives,
+    gather_logprobs,
+    sequence_generator,
+    topk_lists,
+)
 from lorafleet.sample.stops import StopChecker
 from lorafleet.sample.types import (
+    PromptAltTokens,
     SampledSequence,
     SampleError,
     SampleRequest,
@@ -49,6 +60,7 @@ from lorafleet.sample.types import (
     SequenceTrace,
     StopReason,
     TopK,
+    VersionKey,
 )
 from lorafleet.sample.validate import ModelLimits, PreparedRequest, prepare_all
 from lorafleet.sample.versions import (
@@ -69,12 +81,15 @@ class _Group:
     request: PreparedRequest
     future: Future[SampleResult]
     traces: list[SequenceTrace]  # the submission's trace list
+    share_key: str | None = None  # whose turn admitting it takes (admission.py)
     slot: int | None = None  # sampler slot once pinned (BASE_SLOT for the base model)
     pinned: bool = False
     remaining: int = 0
     sequences: list[SampledSequence | None] = field(default_factory=list)
     prompt_logprobs: list[float | None] | None = None
     topk_prompt: list[TopK | None] | None = None
+    target_logprobs: torch.Tensor | None = None
+    alt_tokens: PromptAltTokens | None = None
     prompt_recorded: bool = False
     error: SampleError | None = None
 
@@ -113,8 +128,13 @@ class SampleEngine:
     """Batched, continuously refilled generation over the sampler bank of an AdaptedModel.
 
     `max_rows` bounds the sequences decoding at once (the KV row pool); `prefill_tokens` bounds
-    one admission round's padded prompt tokens. Steps run one at a time (a lock); `submit` and
-    publishing into the version store from other threads stay safe meanwhile.
+    one admission round's padded prompt tokens. Waiting sequences take turns by their request's
+    `share_key` (admission.py). The pool has `reserved_rows` (default `max(1, max_rows // 16)`)
+    rows beyond `max_rows` that only a key holding no row may take, so a newcomer starts at the
+    next step even when one caller fills the batch, and a lone caller still gets all `max_rows`
+    rows (a reserve carved out of them would cost it a whole extra wave when its sequences end
+    together). Steps run one at a time (a lock); `submit` and publishing into the version store
+    from other threads stay safe meanwhile.
     `last_traces` records when each sequence of the last `generate` joined and left the batch
     (in engine steps, counted over the engine's life).
     """
@@ -127,6 +147,7 @@ class SampleEngine:
         tokenizer: Any | None = None,
         max_rows: int = DEFAULT_MAX_ROWS,
         prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
+        reserved_rows: int | None = None,
     ):
         if adapted.banks.get(versions.bank.name) is not versions.bank:
             raise ValueError(
@@ -142,6 +163,9 @@ class SampleEngine:
         self.tokenizer = tokenizer
         self.max_rows = max_rows
         self.prefill_tokens = prefill_tokens
+        self.reserved_rows = max(1, max_rows // 16) if reserved_rows is None else reserved_rows
+        if self.reserved_rows < 0:
+            raise ValueError(f"reserved_rows must be >= 0, got {reserved_rows}")
         model: Any = adapted.model  # an HF causal LM; nn.Module types its accessors as Tensor
         config = model.config.get_text_config(decoder=True)
         self._check_supported(config)
@@ -162,11 +186,11 @@ class SampleEngine:
         self.device = self.bank.params.device
         self.dtype = next(model.parameters()).dtype
         self._additive_mask = config._attn_implementation == "eager"
-        self.cache = RowCache(int(config.num_hidden_layers), max_rows)
+        self.cache = RowCache(int(config.num_hidden_layers), max_rows + self.reserved_rows)
         self._lock = threading.Lock()  # held while stepping
         self._queue_lock = threading.Lock()  # guards _incoming
         self._incoming: deque[_Group] = deque()
-        self._waiting: deque[tuple[_Group, int]] = deque()
+        self._waiting: FairQueue[str | None, tuple[_Group, int]] = FairQueue()
         self._active: list[_Seq] = []
         self._step = 0
         self.last_traces: list[SequenceTrace] = []
@@ -254,6 +278,45 @@ class SampleEngine:
         self.last_traces = traces
         return [f.result() for f in futures]
 
+    @torch.no_grad()
+    def probe_logprobs(self, key: VersionKey | None, tokens: Sequence[int]) -> torch.Tensor:
+        """Log-probs (fp32, CPU) of tokens[1:], each given the tokens before it, under version
+        `key` (None = the base model).
+
+        A one-row prefill through the sampling path (row-cache attention, split head), but over
+        a row cache of its own and at once, between steps: the publish canary asks this while the
+        running batch may hold other callers' long samples, and must not wait for a free row.
+        Raises ValueError for bad tokens and the version store's errors for `key`."""
+        ids = list(tokens)
+        vocab = self.limits.vocab_size
+        if len(ids) < 2 or len(ids) > self.limits.context:
+            raise ValueError(f"tokens: need 2 to {self.limits.context} token ids, got {len(ids)}")
+        bad = [
+            t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab
+        ]
+        if bad:
+            raise ValueError(f"tokens: ids must be integers in [0, {vocab}), got {bad[:5]!r}")
+        device = self.device
+        with self._lock:
+            slot = BASE_SLOT if key is None else self.versions.acquire(key)
+            try:
+                n = len(ids)
+                logits = self._forward(
+                    slice(0, 1),
+                    torch.tensor([ids], dtype=torch.int64, device=device),
+                    torch.zeros(1, dtype=torch.int64, device=device),
+                    torch.tensor([slot], dtype=torch.int64, device=device),
+                    torch.zeros(n - 1, dtype=torch.int64, device=device),
+                    torch.arange(n - 1, device=device),
+                    lengths=torch.tensor([n], device=device),
+                    cache=RowCache(len(self.cache.layers), 1),
+                )
+            finally:
+                if key is not None:
+                    self.versions.release(key)
+        targets = torch.tensor(ids[1:], dtype=torch.int64, device=logits.device)
+        return gather_logprobs(torch.log_softmax(logits, dim=-1), targets).float().cpu()
+
     # ------------------------------------------------------------------ the running batch
     def _submit(
         self, requests: list[SampleRequest], traces: list[SequenceTrace]
@@ -275,6 +338,7 @@ class SampleEngine:
                     request=item,
                     future=future,
                     traces=traces,
+                    share_key=requests[index].share_key,
                     remaining=item.num_samples,
                     sequences=[None] * item.num_samples,
                 )
@@ -287,7 +351,8 @@ class SampleEngine:
         with self._queue_lock:
             while self._incoming:
                 group = self._incoming.popleft()
-                self._waiting.extend((group, s) for s in range(group.request.num_samples))
+                for sample in range(group.request.num_samples):
+                    self._waiting.push(group.share_key, (group, sample))
 
     @torch.no_grad()
     def _advance(self, step: int) -> None:
@@ -303,43 +368,47 @@ class SampleEngine:
             self._fail_stuck(waiting)
 
     def _abort(self, exc: BaseException) -> None:
-        groups = {id(g): g for g, _ in self._waiting}
+        groups = {id(g): g for g, _ in self._waiting.drain()}
         groups.update({id(s.group): s.group for s in self._active})
         for group in groups.values():
             self._unpin(group)
             if not group.future.done():
                 group.future.set_exception(exc)
-        self._waiting.clear()
         self._active.clear()
 
     # ------------------------------------------------------------------ scheduling
     def _admit(
-        self, waiting: deque[tuple[_Group, int]], active: list[_Seq], step: int
+        self, waiting: FairQueue[str | None, tuple[_Group, int]], active: list[_Seq], step: int
     ) -> list[_Seq]:
-        """Moves waiting sequences into free rows, in order, skipping requests whose version
-        cannot be made resident right now (they wait for slots to unpin)."""
-        free = self.max_rows - len(active)
+        """Moves waiting sequences into free rows, taking turns between share keys (in order
+        within one), skipping requests whose version cannot be made resident right now (they
+        wait for slots to unpin)."""
+        free = self.max_rows + self.reserved_rows - len(active)
+        held = Counter(seq.group.share_key for seq in active)
         admitted: list[_Seq] = []
         prefill_groups: list[_Group] = []
         longest = 0
-        deferred: list[tuple[_Group, int]] = []
+        deferred: list[tuple[str | None, tuple[_Group, int]]] = []
         blocked: set[int] = set()
-        while waiting and free > 0:
-            group, sample = waiting.popleft()
+        while free > 0:
+            picked = waiting.pop(held, free=free, reserved=self.reserved_rows)
+            if picked is None:
+                break
+            group, sample = picked[1]
             if group.error is not None:
                 continue
             if id(group) in blocked:
-                deferred.append((group, sample))
+                deferred.append((group.share_key, (group, sample)))
                 continue
             if group not in prefill_groups:
                 new_longest = max(longest, group.request.prompt_len)
                 if prefill_groups and new_longest * (len(prefill_groups) + 1) > self.prefill_tokens:
-                    waiting.appendleft((group, sample))
+                    waiting.push_front(group.share_key, (group, sample))
                     break
                 if not group.pinned and not self._pin(group):
                     if group.error is None:
                         blocked.add(id(group))
-                        deferred.append((group, sample))
+                        deferred.append((group.share_key, (group, sample)))
                     continue
                 prefill_groups.append(group)
                 longest = new_longest
@@ -354,8 +423,10 @@ class SampleEngine:
                     topk=[] if request.topk_sample else None,
                 )
             )
+            held[group.share_key] += 1
             free -= 1
-        waiting.extendleft(reversed(deferred))
+        for key, item in reversed(deferred):
+            waiting.push_front(key, item)
         return admitted
 
     def _pin(self, group: _Group) -> bool:
@@ -386,10 +457,9 @@ class SampleEngine:
         group.error = error
         group.future.set_result(SampleResult([], adapter=group.request.adapter, error=error))
 
-    def _fail_stuck(self, waiting: deque[tuple[_Group, int]]) -> None:
+    def _fail_stuck(self, waiting: FairQueue[str | None, tuple[_Group, int]]) -> None:
         """Nothing runs and nothing could be admitted: the remaining versions cannot get a slot."""
-        while waiting:
-            group, _ = waiting.popleft()
+        for group, _ in waiting.drain():
             if group.error is None:
                 self._fail(
                     group,
@@ -410,13 +480,16 @@ class SampleEngine:
         pick_rows: torch.Tensor,
         pick_pos: torch.Tensor,
         lengths: torch.Tensor | None = None,
+        cache: RowCache | None = None,
     ) -> torch.Tensor:
         """Runs rows `rows` of the pool on `input_ids` [n, q]; fp32 logits of (pick_rows, pick_pos).
 
         `lengths` (prefill): each row's real token count; the padding after it is computed
-        with the rest of the block but never read, so it is routed to the base (no LoRA)."""
+        with the rest of the block but never read, so it is routed to the base (no LoRA).
+        `cache`: another row cache than the running batch's (`probe_logprobs`)."""
+        cache = self.cache if cache is None else cache
         n, q = input_ids.shape
-        _, mask, positions = self.cache.plan(
+        _, mask, positions = cache.plan(
             rows, starts, q, dtype=self.dtype, additive=self._additive_mask
         )
         slot_ids = row_slots.unsqueeze(1).expand(n, q)
@@ -429,11 +502,11 @@ class SampleEngine:
                     input_ids=input_ids,
                     attention_mask=mask,
                     position_ids=positions,
-                    cache=self.cache,
+                    cache=cache,
                     use_cache=True,
                 ).last_hidden_state
         finally:
-            self.cache.finish()
+            cache.finish()
         picked = hidden[pick_rows, pick_pos]
         with self.adapted.routing(self.bank.name, row_slots[pick_rows]):
             return self.lm_head(picked).float()
@@ -452,17 +525,17 @@ class SampleEngine:
         pick_rows: list[int] = []
         pick_pos: list[int] = []
         last_pick: list[int] = []
-        all_positions: list[bool] = []
+        scored_from: list[int | None] = []
         for b, group in enumerate(groups):
             prompt = group.request.prompt
             input_ids[b, : prompt.numel()] = prompt
             # Prompt log-probs are recorded once per request, on its first prefill.
-            wants_all = group.request.needs_prompt_logits and not group.prompt_recorded
-            positions = range(prompt.numel()) if wants_all else [prompt.numel() - 1]
+            start = None if group.prompt_recorded else group.request.prompt_logits_from
+            positions = range(prompt.numel() - 1 if start is None else start, prompt.numel())
             pick_rows.extend([b] * len(positions))
             pick_pos.extend(positions)
             last_pick.append(len(pick_pos) - 1)
-            all_positions.append(wants_all)
+            scored_from.append(start)
         device = self.device
         logits = self._forward(
             slice(first_row, first_row + len(groups)),
@@ -475,9 +548,10 @@ class SampleEngine:
         )
         logprobs = torch.log_softmax(logits, dim=-1)
         for b, group in enumerate(groups):
-            if all_positions[b]:
-                first = last_pick[b] + 1 - group.request.prompt_len
-                self._record_prompt_logprobs(group, logprobs[first : last_pick[b]])
+            start = scored_from[b]
+            if start is not None:
+                first = last_pick[b] + 1 - (group.request.prompt_len - start)
+                self._record_prompt_logprobs(group, logprobs[first : last_pick[b]], start)
         leader_index = {id(g): b for b, g in enumerate(groups)}
         for offset, seq in enumerate(ordered):
             seq.length = seq.group.request.prompt_len
@@ -489,10 +563,22 @@ class SampleEngine:
         picks = torch.tensor([last_pick[leader_index[id(s.group)]] for s in ordered], device=device)
         self._sample(ordered, logits[picks], logprobs[picks])
 
-    def _record_prompt_logprobs(self, group: _Group, predicting: torch.Tensor) -> None:
-        """`predicting[i]` is the distribution after prompt[: i + 1], i.e. over prompt[i + 1]."""
+    def _record_prompt_logprobs(self, group: _Group, predicting: torch.Tensor, start: int) -> None:
+        """`predicting[i]` is the distribution after prompt[: start + i + 1], i.e. over
+        prompt[start + i + 1]; `start` is 0 unless only target ids from a later row are asked."""
         request = group.request
         group.prompt_recorded = True
+        if request.targets is not None:
+            group.target_logprobs = self._target_logprobs(request.targets, predicting, start)
+        if request.alt_k:
+            tokens = draw_alternatives(
+                predicting, request.temperature, request.alt_k, alternatives_generator(request.seed)
+            )
+            group.alt_tokens = PromptAltTokens(
+                tokens=tokens.cpu(), logprobs=predicting.gather(1, tokens).float().cpu()
+            )
+        if not (request.prompt_logprobs or request.topk_prompt):
+            return  # (when they are asked for, every position is scored: start is 0)
         targets = request.prompt[1:].to(predicting.device)
         values = gather_logprobs(predicting, targets).tolist() if targets.numel() else []
         if request.prompt_logprobs:
@@ -501,6 +587,17 @@ class SampleEngine:
             group.topk_prompt = (
                 [None, *topk_lists(predicting, request.topk_prompt)] if targets.numel() else [None]
             )
+
+    @staticmethod
+    def _target_logprobs(
+        targets: torch.Tensor, predicting: torch.Tensor, start: int
+    ) -> torch.Tensor:
+        """Row i of `targets` names ids at prompt position i + 1; rows before `start` name none."""
+        out = torch.zeros(targets.shape, dtype=torch.float32)
+        ids = targets[start:].to(predicting.device)
+        values = predicting.gather(1, ids.clamp(min=0)).masked_fill(ids < 0, 0.0)
+        out[start:] = values.float().cpu()
+        return out
 
     def _decode(self, active: list[_Seq]) -> None:
         device = self.device
@@ -571,5 +668,7 @@ class SampleEngine:
                     adapter=request.adapter,
                     prompt_logprobs=group.prompt_logprobs,
                     topk_prompt_logprobs=group.topk_prompt,
+                    target_prompt_logprobs=group.target_logprobs,
+                    prompt_alt_tokens=group.alt_tokens,
                 )
             )

@@ -137,6 +137,44 @@ def choose_tokens(
     return chosen
 
 
+def alternatives_generator(seed: int | None) -> torch.Generator:
+    """The RNG of a request's `prompt_alt_tokens` draws: a stream of its own, so asking for
+    them never changes which tokens the request's sequences sample."""
+    if seed is None:
+        return torch.Generator().manual_seed(secrets.randbits(63))
+    digest = hashlib.sha256(f"lorafleet.prompt_alt|{seed}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+
+
+ALT_CHUNK_ELEMENTS = 1 << 22
+"""Rows x vocabulary of one float64 CDF in `draw_alternatives` (bounds its scratch memory)."""
+
+
+def draw_alternatives(
+    logprobs: torch.Tensor, temperature: float, k: int, generator: torch.Generator
+) -> torch.Tensor:
+    """`k` draws with replacement per row of log-probs [R, V] at `temperature` (0: the argmax,
+    k times), int64 [R, k]. All uniforms come from `generator` up front, on the CPU, so the
+    draws do not depend on the device or on how the rows are chunked."""
+    rows, vocab = logprobs.shape
+    device = logprobs.device
+    if temperature == 0:
+        return logprobs.argmax(dim=-1, keepdim=True).expand(rows, k).contiguous()
+    draws = torch.rand((rows, k), generator=generator, dtype=torch.float64).to(device)
+    out = torch.empty((rows, k), dtype=torch.int64, device=device)
+    step = max(1, ALT_CHUNK_ELEMENTS // vocab)
+    for start in range(0, rows, step):
+        part = slice(start, start + step)
+        probs = torch.softmax(logprobs[part] / temperature, dim=-1)
+        cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+        total = cdf[:, -1:]
+        # Strictly below the total, so the token found has non-zero probability.
+        below = torch.nextafter(total, torch.zeros_like(total))
+        targets = torch.minimum(draws[part] * total, below)
+        out[part] = torch.searchsorted(cdf, targets, right=True).clamp_(max=vocab - 1)
+    return out
+
+
 def gather_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 

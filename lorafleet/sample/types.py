@@ -48,9 +48,28 @@ class SampleRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     adapter: VersionKey | None = None
     num_samples: int = 1
+    # Who the request is for (a tenant, a client: the caller decides). When rows wait for the
+    # batch, admission takes turns between share keys, so one caller's many rows never make
+    # another's few wait behind all of them. None: one shared key.
+    share_key: str | None = None
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
     topk_sample_logprobs: int = 0
+    # Token ids to score at prompt positions, int64 [len(prompt) - 1, K]: row i scores position
+    # i + 1 (nothing predicts position 0); -1 asks for nothing there. None: no targets.
+    target_prompt_logprobs: torch.Tensor | None = None
+    prompt_alt_tokens_k: int = 0  # draws per prompt position (see PromptAltTokens)
+
+
+@dataclass(frozen=True)
+class PromptAltTokens:
+    """Tinker's `prompt_alt_tokens`: `k` independent draws, with replacement and at the request's
+    temperature (no top-k/top-p), from the model's distribution at every prompt position after
+    the first; row i holds alternatives to prompt[i + 1]. The log-probs are the raw ones (see
+    engine.py), so they equal `target_prompt_logprobs` of the same ids."""
+
+    tokens: torch.Tensor  # int64 [len(prompt) - 1, k]
+    logprobs: torch.Tensor  # float32 [len(prompt) - 1, k]
 
 
 @dataclass
@@ -76,6 +95,10 @@ class SampleResult:
     adapter: VersionKey | None
     prompt_logprobs: list[float | None] | None = None  # None at position 0 (nothing predicts it)
     topk_prompt_logprobs: list[TopK | None] | None = None
+    # float32, the shape of the request's target ids; 0.0 where it had -1 or a row before the
+    # first one that names an id (those rows are not computed).
+    target_prompt_logprobs: torch.Tensor | None = None
+    prompt_alt_tokens: PromptAltTokens | None = None
     error: SampleError | None = None
 
     @property

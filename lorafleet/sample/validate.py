@@ -20,6 +20,13 @@ class RequestError(ValueError):
     """A request field that cannot be honoured; the message names the field and value."""
 
 
+MAX_PROMPT_SCORES = 1 << 22
+"""Bound on the per-position scores one request may ask for: `len(prompt) - 1` times the width
+of `target_prompt_logprobs`, and `len(prompt) - 1` times `prompt_alt_tokens_k`. It bounds the
+response (a float32 and an int64 per cell) and the draws, as Tinker bounds a top-k width; the
+full-vocabulary log-softmax they read is bounded by the context length, as for prompt logprobs."""
+
+
 @dataclass(frozen=True)
 class StopSpec:
     token_ids: frozenset[int]
@@ -41,14 +48,23 @@ class PreparedRequest:
     prompt_logprobs: bool
     topk_prompt: int
     topk_sample: int
+    targets: torch.Tensor | None = None  # int64 [P - 1, K], -1 = unused
+    targets_from: int = 0  # first row of `targets` that names an id (earlier rows: nothing)
+    alt_k: int = 0
 
     @property
     def prompt_len(self) -> int:
         return int(self.prompt.numel())
 
     @property
-    def needs_prompt_logits(self) -> bool:
-        return self.prompt_logprobs or self.topk_prompt > 0
+    def prompt_logits_from(self) -> int | None:
+        """The first prompt position whose next-token distribution the request reads (None:
+        only the last, to sample). Target-only requests skip the rows before their first id."""
+        if self.prompt_logprobs or self.topk_prompt > 0 or self.alt_k > 0:
+            return 0
+        if self.targets is not None:
+            return self.targets_from
+        return None
 
 
 @dataclass(frozen=True)
@@ -122,6 +138,38 @@ def _prompt(value: object, limits: ModelLimits) -> torch.Tensor:
     return tokens
 
 
+def _targets(value: object, prompt_len: int, limits: ModelLimits) -> tuple[torch.Tensor, int]:
+    """The target ids and the first row naming one."""
+    name = "target_prompt_logprobs"
+    if not isinstance(value, torch.Tensor):
+        raise RequestError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.dtype != torch.int64:
+        raise RequestError(f"{name} must hold int64 token ids, got dtype {value.dtype}")
+    rows = prompt_len - 1
+    if value.dim() != 2 or value.shape[0] != rows:
+        raise RequestError(
+            f"{name} must have shape [len(prompt) - 1, K] = [{rows}, K], got {list(value.shape)}"
+        )
+    width = int(value.shape[1])
+    if rows * width > MAX_PROMPT_SCORES:
+        raise RequestError(
+            f"{name} of shape {list(value.shape)} asks for {rows * width} scores, more than "
+            f"this sampler's limit of {MAX_PROMPT_SCORES} ((len(prompt) - 1) * K)"
+        )
+    ids = value.cpu()
+    bad = (ids < -1) | (ids >= limits.vocab_size)
+    if bool(bad.any()):
+        row, col = (int(i) for i in bad.nonzero()[0])
+        raise RequestError(
+            f"{name}[{row}, {col}] = {int(ids[row, col])} is neither -1 (unused) nor a token id "
+            f"in the vocabulary [0, {limits.vocab_size})"
+        )
+    named = (ids >= 0).any(dim=1).nonzero()
+    if named.numel() == 0:
+        raise RequestError(f"{name} names no token id (every cell is -1)")
+    return ids, int(named[0])
+
+
 def _stop(value: object, limits: ModelLimits) -> StopSpec:
     if value is None:
         return StopSpec(token_ids=limits.eos_token_ids, strings=())
@@ -185,6 +233,18 @@ def prepare_request(index: int, request: SampleRequest, limits: ModelLimits) -> 
     for name, k in (("topk_prompt_logprobs", topk_prompt), ("topk_sample_logprobs", topk_sample)):
         if k > limits.vocab_size:
             raise RequestError(f"{name}={k} exceeds the vocabulary size {limits.vocab_size}")
+    targets, targets_from = (
+        (None, 0)
+        if request.target_prompt_logprobs is None
+        else _targets(request.target_prompt_logprobs, prompt.numel(), limits)
+    )
+    alt_k = _int(request.prompt_alt_tokens_k, "prompt_alt_tokens_k", low=0)
+    if (prompt.numel() - 1) * alt_k > MAX_PROMPT_SCORES:
+        raise RequestError(
+            f"prompt_alt_tokens_k={alt_k} with a {prompt.numel()}-token prompt asks for "
+            f"{(prompt.numel() - 1) * alt_k} draws, more than this sampler's limit of "
+            f"{MAX_PROMPT_SCORES} ((len(prompt) - 1) * k)"
+        )
     return PreparedRequest(
         index=index,
         prompt=prompt,
@@ -199,6 +259,9 @@ def prepare_request(index: int, request: SampleRequest, limits: ModelLimits) -> 
         prompt_logprobs=request.prompt_logprobs,
         topk_prompt=topk_prompt,
         topk_sample=topk_sample,
+        targets=targets,
+        targets_from=targets_from,
+        alt_k=alt_k,
     )
 
 

@@ -10,12 +10,18 @@ registered with a path (a training-state checkpoint dir or a PEFT dir) is reload
 files on demand after eviction, so a saved version is never "not found". A version without
 files is gone once evicted, and asking for it says exactly that.
 
+Retiring (a deleted or overwritten checkpoint, an ephemeral version past retention) never
+pulls a version from under running sequences: `retire` refuses new pins at once and drops the
+version when its last pin is released, so sequences already running finish on the weights they
+started with while nothing new starts on them.
+
 Thread-safe: a trainer thread may publish while a sampler thread acquires and releases.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +37,7 @@ if TYPE_CHECKING:
     from lorafleet.interfaces import AdapterBank
 
 SourceKind = Literal["training_state", "peft"]
+RETIRED_REMEMBERED = 4096  # retired keys whose late requests get "was deleted", not "unknown"
 
 
 class VersionError(LookupError):
@@ -43,6 +50,10 @@ class UnknownVersionError(VersionError):
 
 class VersionUnavailableError(VersionError):
     """The version existed but cannot be served (evicted without files, or its files are bad)."""
+
+
+class VersionRetiredError(VersionUnavailableError):
+    """The version is being retired: running sequences finish on it, new ones cannot start."""
 
 
 class NoFreeSlotError(VersionError):
@@ -58,6 +69,7 @@ class VersionInfo:
     slot: int | None  # sampler slot while resident
     pins: int = 0
     last_used: int = 0
+    retiring: bool = False  # no new pins; dropped when the last one is released
 
     @property
     def key(self) -> VersionKey:
@@ -121,6 +133,9 @@ class VersionStore:
         self.base_model_id = base_model_id
         self.capacity = capacity
         self._versions: dict[VersionKey, VersionInfo] = {}
+        # The last retired keys, so that a request queued before the retirement and admitted
+        # after the drop is told why, not "never published".
+        self._retired: OrderedDict[VersionKey, None] = OrderedDict()
         self._clock = 0
         self._lock = threading.RLock()
 
@@ -131,14 +146,25 @@ class VersionStore:
 
     def latest(self, adapter_id: str) -> VersionKey:
         with self._lock:
-            versions = [v for (a, v) in self._versions if a == adapter_id]
+            versions = [
+                v
+                for (a, v), info in self._versions.items()
+                if a == adapter_id and not info.retiring
+            ]
             if not versions:
-                raise UnknownVersionError(f"adapter {adapter_id!r} has no published version")
+                raise UnknownVersionError(
+                    f"adapter {adapter_id!r} has no published version that is not being retired"
+                )
             return (adapter_id, max(versions))
 
     def resident(self) -> list[VersionKey]:
         with self._lock:
             return [k for k, info in self._versions.items() if info.slot is not None]
+
+    def retiring(self) -> list[VersionKey]:
+        """Versions retired while in use, waiting for their running sequences to finish."""
+        with self._lock:
+            return [k for k, info in self._versions.items() if info.retiring]
 
     def _get(self, key: VersionKey) -> VersionInfo:
         info = self._versions.get(key)
@@ -185,6 +211,7 @@ class VersionStore:
             self._versions[key] = VersionInfo(
                 *key, path=saved, kind=kind, slot=slot, last_used=self._tick()
             )
+            self._retired.pop(key, None)
             return key
 
     def register(self, adapter_id: str, version: int, path: PathLike) -> VersionKey:
@@ -194,6 +221,7 @@ class VersionStore:
             saved = Path(path)
             kind = detect_kind(saved)
             self._versions[key] = VersionInfo(*key, path=saved, kind=kind, slot=None)
+            self._retired.pop(key, None)
             return key
 
     def set_path(self, key: VersionKey, path: PathLike) -> None:
@@ -208,11 +236,24 @@ class VersionStore:
     def acquire(self, key: VersionKey) -> int:
         """Pins `key` and returns its sampler slot, loading it from its files if evicted.
 
-        Raises UnknownVersionError, VersionUnavailableError, or NoFreeSlotError (transient:
-        every slot is pinned by running sequences).
+        Raises UnknownVersionError, VersionUnavailableError (VersionRetiredError once it is
+        retired), or NoFreeSlotError (transient: every slot is pinned by running
+        sequences).
         """
         with self._lock:
+            if key in self._retired and key not in self._versions:
+                raise VersionRetiredError(
+                    f"version {key!r} was deleted (its checkpoint was deleted or overwritten, or "
+                    "it passed retention) before this request could start; a new request gets "
+                    "the current weights, if there still are any"
+                )
             info = self._get(key)
+            if info.retiring:
+                raise VersionRetiredError(
+                    f"version {key!r} is being deleted (its checkpoint was deleted or overwritten, "
+                    "or it passed retention): samples already running finish on it, this one "
+                    "cannot start; a new request gets the current weights, if there still are any"
+                )
             if info.slot is None:
                 self._load(info)
             assert info.slot is not None
@@ -226,6 +267,8 @@ class VersionStore:
             if info.pins <= 0:
                 raise VersionError(f"version {key!r} released more often than acquired")
             info.pins -= 1
+            if info.retiring and info.pins == 0:
+                self.drop(key)
 
     # ------------------------------------------------------------------ removal
     def evict(self, key: VersionKey) -> None:
@@ -245,6 +288,21 @@ class VersionStore:
         with self._lock:
             self.evict(key)
             del self._versions[key]
+
+    def retire(self, key: VersionKey) -> bool:
+        """Forgets the version once no sequence uses it: at once when unpinned (True), else it
+        refuses new pins now and is dropped by its last release (False). Never raises for a
+        version in use, so deleting or replacing what it serves cannot half-fail."""
+        with self._lock:
+            info = self._get(key)
+            self._retired[key] = None
+            while len(self._retired) > RETIRED_REMEMBERED:
+                self._retired.popitem(last=False)
+            if info.pins == 0:
+                self.drop(key)
+                return True
+            info.retiring = True
+            return False
 
     # ------------------------------------------------------------------ internals
     def _claim_slot(self) -> int:

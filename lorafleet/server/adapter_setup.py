@@ -16,6 +16,7 @@ from lorafleet.server.errors import UserError
 from lorafleet.server.futures import Result
 from lorafleet.server.live_models import LiveModels
 from lorafleet.server.payloads import CreateArgs, FromStateArgs, LoadArgs
+from lorafleet.server.redact import exception_text
 from lorafleet.server.scheduler import Op
 from lorafleet.server.target_sets import TargetSets
 
@@ -48,11 +49,18 @@ class AdapterSetup:
                 seed=int(lora["seed"]),
                 targets=targets,
             )
-            slot = self.trainer.create_adapter(spec)
-        except (BankError, TargetError) as exc:
-            raise UserError(f"create_model: {exc}") from None
+            slot = self.trainer.create_adapter(spec, optimizer=args.optimizer)
+        except (BankError, TargetError, ValueError) as exc:
+            raise UserError(f"create_model: {exception_text(exc)}") from None
         self.live.add(
-            op.model_id, op.tenant, args.session_id, args.base_model, slot, lora, args.user_metadata
+            op.model_id,
+            op.tenant,
+            args.session_id,
+            args.base_model,
+            slot,
+            lora,
+            args.user_metadata,
+            optimizer=args.optimizer,
         )
         return Result.json({"model_id": op.model_id, "type": "create_model"})
 
@@ -61,16 +69,32 @@ class AdapterSetup:
         assert op.model_id is not None
         state = self.checkpoints.read_state(args.checkpoint, "create_training_client_from_state")
         self.live.require_free_slot()
+        restores_state = args.optimizer and state.moments is not None
+        family = args.optimizer_family
+        if restores_state and family is not None and family != state.optimizer:
+            raise UserError(
+                f"load {args.checkpoint.tinker_path}: optimizer_config {family!r} cannot override "
+                f"the checkpoint's restored {state.optimizer} optimizer state"
+            )
+        if family is None:
+            family = state.optimizer if restores_state else "adamw"
         try:
             slot = self.trainer.load_state(
-                state, with_optimizer=args.optimizer, source=args.checkpoint.dir
+                state, with_optimizer=args.optimizer, source=args.checkpoint.dir, optimizer=family
             )
-        except (CheckpointError, BankError) as exc:
-            raise UserError(f"load {args.checkpoint.tinker_path}: {exc}") from None
+        except (CheckpointError, BankError, ValueError) as exc:
+            raise UserError(f"load {args.checkpoint.tinker_path}: {exception_text(exc)}") from None
         lora = dict(args.checkpoint.info["lora"])
         base_model = args.base_model or args.checkpoint.info["base_model"]
         self.live.add(
-            op.model_id, op.tenant, args.session_id, base_model, slot, lora, args.user_metadata
+            op.model_id,
+            op.tenant,
+            args.session_id,
+            base_model,
+            slot,
+            lora,
+            args.user_metadata,
+            optimizer=family,
         )
         return Result.json(
             {"model_id": op.model_id, "path": args.checkpoint.tinker_path, "type": "load_weights"}
@@ -81,16 +105,26 @@ class AdapterSetup:
         args: LoadArgs = op.payload
         live = self.live.get(op.model_id)
         state = self.checkpoints.read_state(args.checkpoint, "load_state")
+        if args.optimizer and state.moments is not None and state.optimizer != live.optimizer:
+            raise UserError(
+                f"load {args.checkpoint.tinker_path}: the checkpoint holds {state.optimizer} "
+                f"optimizer state but this model uses {live.optimizer}, fixed at its creation; "
+                "nothing was changed"
+            )
         spec = self.trainer.bank.check_slot(live.slot).spec
         self.trainer.free_adapter(live.slot)
         try:
             self.trainer.load_state(
-                state, slot=live.slot, with_optimizer=args.optimizer, source=args.checkpoint.dir
+                state,
+                slot=live.slot,
+                with_optimizer=args.optimizer,
+                source=args.checkpoint.dir,
+                optimizer=live.optimizer,
             )
         except (CheckpointError, BankError) as exc:
             # keep the model usable (freshly initialised)
-            self.trainer.create_adapter(spec, live.slot)
+            self.trainer.create_adapter(spec, live.slot, optimizer=live.optimizer)
             raise UserError(
-                f"load {args.checkpoint.tinker_path}: {exc}; the model was reset to a fresh adapter"
+                f"load {args.checkpoint.tinker_path}: {exception_text(exc)}; the model was reset to a fresh adapter"
             ) from None
         return Result.json({"path": args.checkpoint.tinker_path, "type": "load_weights"})

@@ -4,8 +4,8 @@ leaves as JSON `{"error", "category"}` with a 4xx/5xx status (`routes/errors.py`
 
 The API key is checked by `KeyGate` before routing, so a caller without a valid key learns
 nothing: not which routes exist, not how a route validates its parameters, and it cannot make
-the server read a body. Only `GET /api/v1/healthz` (which answers `{"status": "ok"}` and
-nothing else) is open, for liveness probes. Bodies are read under limits (`routes/bodies.py`).
+the server read a body. Only `GET /api/v1/healthz` (states only: the engine's liveness and the
+data disk, see health.py) is open, for liveness probes. Bodies are read under limits (`routes/bodies.py`).
 """
 
 from __future__ import annotations
@@ -15,12 +15,25 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lorafleet.server.errors import ApiError
-from lorafleet.server.routes import API, futures, info, rest, sampling, sessions, stats, training
+from lorafleet.server.routes import (
+    API,
+    futures,
+    info,
+    rest,
+    sampling,
+    sessions,
+    stats,
+    training,
+    unknown,
+)
 from lorafleet.server.routes.bodies import BodyReader
 from lorafleet.server.routes.errors import install_error_handlers
 from lorafleet.server.service import Service
 
 PUBLIC_PATHS = frozenset({f"{API}/healthz"})
+# Signed download links (rest.FILES_ROUTE, sessions.TRACES_ROUTE): fetched by the SDK with a plain
+# GET and no key; the route checks the link's signature instead (signed_urls.py).
+SIGNED_GET_PREFIXES = (f"{API}/lorafleet/files/", f"{API}/lorafleet/traces/")
 
 
 class KeyGate:
@@ -32,7 +45,10 @@ class KeyGate:
         self.service = service
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS:
+        signed = scope.get("method") in ("GET", "HEAD") and scope.get("path", "").startswith(
+            SIGNED_GET_PREFIXES
+        )
+        if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS and not signed:
             key = next(
                 (v.decode("latin-1") for k, v in scope["headers"] if k == b"x-api-key"), None
             )
@@ -54,11 +70,13 @@ def create_app(service: Service) -> FastAPI:
     install_error_handlers(app)
     config = service.config
     bodies = BodyReader(config.max_body_bytes, config.max_json_bytes, config.body_timeout_s)
-    info.add_routes(app, service.served)
+    info.add_routes(app, service.served, health=service.health)
     stats.add_routes(app, service.stats)
     sessions.add_routes(app, service.sessions, bodies)
     training.add_routes(app, service.training, bodies)
     sampling.add_routes(app, service.sampling, bodies)
     futures.add_routes(app, service.retrieve, bodies)
     rest.add_routes(app, service.rest, bodies)
+    # LAST: the catch-all for POSTs to paths no route above serves
+    unknown.add_routes(app, service.intake, bodies)
     return app

@@ -15,10 +15,12 @@ from lorafleet.interfaces import Trainer
 from lorafleet.server import faults
 from lorafleet.server.deletion import remove_tree
 from lorafleet.server.errors import UserError
+from lorafleet.server.external_weights import write_export
 from lorafleet.server.live_models import LiveModel
 from lorafleet.server.paths import TinkerPath, checkpoint_dir, dir_size
-from lorafleet.server.payloads import SaveArgs, SaveSamplerArgs
+from lorafleet.server.payloads import SaveArgs, SaveExternalArgs, SaveSamplerArgs
 from lorafleet.server.publishing import VersionPublisher
+from lorafleet.server.redact import exception_text
 from lorafleet.server.store import CheckpointRow, Store
 
 
@@ -48,12 +50,14 @@ class CheckpointFiles:
         if checkpoint.kind != "training":
             raise UserError(
                 f"{what} needs a training checkpoint (tinker://<model_id>/weights/<name>, from save_state); "
-                f"{checkpoint.tinker_path} holds sampler weights"
+                f"{checkpoint.tinker_path} holds {checkpoint.kind} weights"
             )
         try:
             return read_training_state(Path(checkpoint.dir))
         except (CheckpointError, OSError) as exc:
-            raise UserError(f"checkpoint {checkpoint.tinker_path} cannot be read: {exc}") from None
+            raise UserError(
+                f"checkpoint {checkpoint.tinker_path} cannot be read: {exception_text(exc)}"
+            ) from None
 
     def save_state(self, tenant: str, live: LiveModel, args: SaveArgs) -> str:
         """Writes the model's training state; returns its tinker path."""
@@ -70,34 +74,69 @@ class CheckpointFiles:
                 overwrite=args.overwrite,
             )
         except (CheckpointError, FileExistsError) as exc:
-            raise UserError(f"save_state {path}: {exc}") from None
+            raise UserError(f"save_state {path}: {exception_text(exc)}") from None
         faults.point("save_state.end")
-        self.publisher.forget((str(path), 0))
+        # Overwritten: samples from here on load the new files; running ones finish on the old.
+        self.publisher.retire_checkpoint(str(path))
         self.store.put_checkpoint(self._row(tenant, path, dest, "training", args))
         return str(path)
 
     def save_sampler(self, tenant: str, live: LiveModel, name: str, args: SaveSamplerArgs) -> str:
-        """Exports the model's adapter as sampler checkpoint `name` and publishes it; returns
-        its tinker path."""
+        """Publishes the model's adapter as sampler checkpoint `name`, then exports its files and
+        writes its row; returns its tinker path. Publishing first claims a sampler slot before
+        anything exists, so a slot shortage (SamplerSlotsBusy) leaves nothing behind."""
         path = TinkerPath(live.model_id, "sampler_weights", name)
         if self.store.get_checkpoint(str(path)) is not None:
             raise UserError(f"sampler checkpoint {path} already exists; choose another name")
         dest = checkpoint_dir(self.data_dir, tenant, path)
-        faults.point("save_sampler.begin")
+        key = self.publisher.publish_checkpoint(live.slot, str(path))
+        exported = False
         try:
-            export_peft(
-                self.trainer.bank, live.slot, dest, base_model_name_or_path=str(self.base_path)
+            faults.point("save_sampler.begin")
+            try:
+                export_peft(
+                    self.trainer.bank, live.slot, dest, base_model_name_or_path=str(self.base_path)
+                )
+            except (ValueError, FileExistsError) as exc:
+                raise UserError(f"save_weights_for_sampler {path}: {exception_text(exc)}") from None
+            exported = True
+            faults.point("save_sampler.end")
+            self.publisher.saved(key, dest)
+            self.store.put_checkpoint(self._row(tenant, path, dest, "sampler", args))
+        except BaseException:
+            # No row names the path, so no sample can have pinned the version.
+            self.publisher.sampler.versions.drop(key)
+            if exported:
+                remove_tree(dest)
+            raise
+        return str(path)
+
+    def save_external(self, tenant: str, live: LiveModel, args: SaveExternalArgs) -> str:
+        """Exports the model's adapter for download (`save_weights_external`, see
+        external_weights.py); returns its tinker path."""
+        path = TinkerPath(live.model_id, "external_weights", args.name)
+        if self.store.get_checkpoint(str(path)) is not None:
+            raise UserError(
+                f"external weights {path} already exist; choose another name or delete them first"
+            )
+        dest = checkpoint_dir(self.data_dir, tenant, path)
+        try:
+            write_export(
+                self.trainer.bank,
+                live.slot,
+                dest,
+                base_model_name_or_path=str(self.base_path),
+                recipients=args.recipients,
             )
         except (ValueError, FileExistsError) as exc:
-            raise UserError(f"save_weights_for_sampler {path}: {exc}") from None
-        faults.point("save_sampler.end")
-        self.store.put_checkpoint(self._row(tenant, path, dest, "sampler", args))
-        self.publisher.forget((str(path), 0))
-        self.publisher.publish_checkpoint(live.slot, str(path), dest)
+            raise UserError(f"save_weights_external {path}: {exception_text(exc)}") from None
+        self.store.put_checkpoint(self._row(tenant, path, dest, "external", args))
         return str(path)
 
     def delete(self, checkpoint: CheckpointRow) -> None:
-        self.publisher.forget((checkpoint.tinker_path, 0))
+        """Never fails for a checkpoint being sampled: its running samples finish on their
+        resident version (nothing reads the files again) while new ones get "deleted"."""
+        self.publisher.retire_checkpoint(checkpoint.tinker_path)
         self.store.delete_checkpoint(checkpoint.tinker_path)
         remove_tree(Path(checkpoint.dir))
 
@@ -107,7 +146,7 @@ class CheckpointFiles:
         path: TinkerPath,
         dest: Path,
         kind: str,
-        args: SaveArgs | SaveSamplerArgs,
+        args: SaveArgs | SaveSamplerArgs | SaveExternalArgs,
     ) -> CheckpointRow:
         model = self.store.get_model(path.model_id)
         assert model is not None

@@ -56,3 +56,10 @@ class ServerFault(ApiError):
 
     status = 500
     category = "server"
+
+
+class DiskFull(ServerFault):
+    """The server's data disk is full: nothing is wrong with the request, and it can succeed
+    once space is freed (deleting checkpoints frees it, without a restart)."""
+
+    status = 507

@@ -28,7 +28,7 @@ from lorafleet.server.checkpoint_files import CheckpointFiles
 from lorafleet.server.errors import ApiError, UserError
 from lorafleet.server.futures import Result
 from lorafleet.server.live_models import LiveModels
-from lorafleet.server.payloads import SaveArgs, SaveSamplerArgs
+from lorafleet.server.payloads import SaveArgs, SaveExternalArgs, SaveSamplerArgs
 from lorafleet.server.publishing import VersionPublisher
 from lorafleet.server.retention import EphemeralRetention
 from lorafleet.server.sample_batches import SampleBatches
@@ -81,7 +81,7 @@ class Executor:
         )
         self.adapters = AdapterSetup(self.trainer, targets, self.live, self.checkpoints)
         self.train_batches = TrainBatches(self.trainer, self.live)
-        self.sample_batches = SampleBatches(self.sampler, store, self.publisher.ephemeral_limit)
+        self.sample_batches = SampleBatches(self.sampler, store, self.publisher)
 
     # ================================================================== control ops
     def run_control(self, op: Op) -> Result:
@@ -92,6 +92,7 @@ class Executor:
             "load_weights": self.adapters.load_weights,
             "save_weights": self._save_weights,
             "save_sampler": self._save_sampler,
+            "save_external": self._save_external,
         }.get(op.kind)
         if handler is None:
             raise RuntimeError(f"no handler for control op {op.kind!r}")
@@ -109,6 +110,11 @@ class Executor:
         path = self.checkpoints.save_state(op.tenant, live, args)
         return Result.json({"path": path, "type": "save_weights"})
 
+    def _save_external(self, op: Op) -> Result:
+        args: SaveExternalArgs = op.payload
+        path = self.checkpoints.save_external(op.tenant, self.live.get(op.model_id), args)
+        return Result.json({"path": path, "type": "save_weights_external"})
+
     def _save_sampler(self, op: Op) -> Result:
         """A named save is a sampler checkpoint; an unnamed one (save_weights_and_get_sampling_client)
         publishes an ephemeral version and opens a sampling session on it."""
@@ -123,7 +129,7 @@ class Executor:
             raise UserError(
                 f"sampling_session_seq_id {args.sampling_session_seq_id} is already used in session {live.session_id}"
             )
-        adapter_id, version = self.publisher.publish_ephemeral(live)
+        adapter_id, version = self.publisher.publish_ephemeral(live, inflight=args.inflight)
         self.store.add_sampling_session(
             SamplingSessionRow(
                 sampler_id,
@@ -173,5 +179,7 @@ class Executor:
             "adapter_slots": self.config.max_adapters,
             "sampler_slots": self.config.sampler_slots,
             "sampler_versions_resident": len(self.versions.resident()),
+            # deleted, overwritten or past retention while in use: dropped after their samples
+            "sampler_versions_retiring": len(self.versions.retiring()),
             "torch_threads": self.torch_threads,
         }

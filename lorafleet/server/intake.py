@@ -148,3 +148,20 @@ class Intake:
             scope=model_id,
             seq_id=seq_id,
         )
+
+    def consume_seq(self, tenant: Tenant, body: Any, error: ApiError, fingerprint: str) -> None:
+        """Records `error` as the result of the seq_id a body names, when the body names one of
+        the caller's models: a request the server refuses before parsing it as an operation (an
+        unknown route) has still been numbered by the SDK, and leaving its seq_id empty would
+        hold up the model's later requests until the gap timeout. Raises what stops the
+        recording (a foreign model: NotFound; the seq_id used by another request: Conflict)."""
+        if not isinstance(body, dict):
+            return
+        model_id, seq_id = body.get("model_id"), body.get("seq_id")
+        if not isinstance(model_id, str) or type(seq_id) is not int or seq_id < 1:
+            return
+
+        def refuse() -> Any:
+            raise error
+
+        self.submit_for_model(tenant, model_id, seq_id, "unknown_route", refuse, fingerprint)

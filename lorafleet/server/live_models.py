@@ -22,6 +22,7 @@ class LiveModel:
     session_id: str
     slot: int
     base_model: str
+    optimizer: str = "adamw"  # its optimizer family, fixed at creation (adapters.hparams)
 
 
 class LiveModels:
@@ -58,6 +59,7 @@ class LiveModels:
         slot: int,
         lora: dict[str, Any],
         user_metadata: dict | None,
+        optimizer: str = "adamw",
     ) -> None:
         """Records a model whose adapter now sits in `slot`: its row, then its live entry."""
         now = time.time()
@@ -75,7 +77,7 @@ class LiveModels:
                 status="active",
             )
         )
-        self._by_id[model_id] = LiveModel(model_id, tenant, session_id, slot, base_model)
+        self._by_id[model_id] = LiveModel(model_id, tenant, session_id, slot, base_model, optimizer)
 
     def unload(self, model_ids: list[str]) -> None:
         """Frees the models' adapter slots; the caller fails what they still have queued."""

@@ -3,6 +3,7 @@ tenants cannot probe each other's sessions, models, checkpoints or samplers."""
 
 from __future__ import annotations
 
+from lorafleet.server import publication
 from lorafleet.server.auth import Tenant
 from lorafleet.server.errors import NotFound, UserError
 from lorafleet.server.paths import TinkerPath
@@ -29,10 +30,45 @@ class Ownership:
         return row
 
     def checkpoint(self, tenant: Tenant, path: TinkerPath) -> CheckpointRow:
+        """An expired checkpoint is refused before maintenance deletes it."""
         row = self.store.get_checkpoint(str(path))
         if row is None or row.tenant != tenant.id:
             raise NotFound(f"unknown checkpoint {path}")
+        if row.expired():
+            raise NotFound(f"checkpoint {path} has expired (its ttl_seconds ran out)")
         return row
+
+    def readable_checkpoint(
+        self, tenant: Tenant, path: TinkerPath, *, with_optimizer: bool = False
+    ) -> CheckpointRow:
+        """The caller's own checkpoint, or another tenant's published one for reading its
+        weights (publication.py); its optimizer state stays the owner's (403)."""
+        row = self.store.get_checkpoint(str(path))
+        if (
+            row is not None
+            and row.tenant != tenant.id
+            and publication.is_public(row)
+            and not row.expired()
+        ):
+            if with_optimizer:
+                raise publication.optimizer_refused(str(path))
+            return row
+        return self.checkpoint(tenant, path)
+
+    def readable_model(self, tenant: Tenant, model_id: str, access_scope: str) -> ModelRow:
+        """`access_scope` "accessible" (the SDK's word) also reaches another tenant's run that
+        has a published checkpoint; "owned" only the caller's."""
+        if access_scope not in ("owned", "accessible"):
+            raise UserError(f"access_scope must be 'owned' or 'accessible', got {access_scope!r}")
+        row = self.store.get_model(model_id)
+        if (
+            access_scope == "accessible"
+            and row is not None
+            and row.tenant != tenant.id
+            and self.store.has_public_checkpoint(model_id)
+        ):
+            return row
+        return self.model(tenant, model_id)
 
     def sampling_session(self, tenant: Tenant, sampler_id: str) -> SamplingSessionRow:
         row = self.store.get_sampling_session(sampler_id)

@@ -1,7 +1,9 @@
 """`tinker://` paths and where their files live under the data directory.
 
 `tinker://<model_id>/weights/<name>` (training state: weights + optimizer) and
-`tinker://<model_id>/sampler_weights/<name>` (a PEFT adapter) map to
+`tinker://<model_id>/sampler_weights/<name>` (a PEFT adapter) and
+`tinker://<model_id>/external_weights/<name>` (a PEFT export for download, age-encrypted on
+request) map to
 `<data>/tenants/<tenant>/runs/<model_id with ':' as '.'>/<segment>/<name>`. Every component is
 checked with `safe_name` before it reaches the filesystem; the SQLite checkpoint table, not the
 filesystem, decides what exists and who owns it.
@@ -16,14 +18,15 @@ from lorafleet.fsio import safe_name
 from lorafleet.server.errors import UserError
 
 SCHEME = "tinker://"
-SEGMENTS = {"weights": "training", "sampler_weights": "sampler"}
+TENANTS_DIR = "tenants"  # under the data dir
+SEGMENTS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 """Path segment -> checkpoint_type as the SDK names it."""
 
 
 @dataclass(frozen=True)
 class TinkerPath:
     model_id: str
-    segment: str  # "weights" | "sampler_weights"
+    segment: str  # "weights" | "sampler_weights" | "external_weights"
     name: str
 
     @property
@@ -69,7 +72,7 @@ def run_dir_name(model_id: str) -> str:
 def checkpoint_dir(data_dir: Path, tenant: str, path: TinkerPath) -> Path:
     return (
         data_dir
-        / "tenants"
+        / TENANTS_DIR
         / checkpoint_name(tenant, "tenant")
         / "runs"
         / run_dir_name(path.model_id)

@@ -7,6 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import torch
+
 from lorafleet.sample.types import SamplingParams
 from lorafleet.server.store import CheckpointRow
 
@@ -17,6 +20,7 @@ class CreateArgs:
     base_model: str
     lora: dict[str, Any]  # rank, seed, alpha, train_attn, train_mlp, train_unembed
     user_metadata: dict[str, Any] | None
+    optimizer: str = "adamw"  # its optimizer family for life (adapters.hparams.OPTIMIZERS)
 
 
 @dataclass
@@ -26,6 +30,8 @@ class FromStateArgs:
     checkpoint: CheckpointRow
     optimizer: bool
     user_metadata: dict[str, Any] | None
+    # The request's optimizer_config family; None: the checkpoint's (restored state) or adamw.
+    optimizer_family: str | None = None
 
 
 @dataclass
@@ -48,6 +54,25 @@ class SaveSamplerArgs:
     sampling_session_seq_id: int | None
     expires_at: float | None
     user_metadata: dict[str, Any] | None
+    inflight: bool = False  # kind="inflight": the session follows the model's later inflight saves
+
+
+@dataclass
+class SaveExternalArgs:
+    name: str
+    recipients: tuple[str, ...]  # age recipients (native or SSH keys); empty: files in the clear
+    expires_at: float | None
+    user_metadata: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class PromptTargets:
+    """A request's `target_prompt_logprobs`: the ids (sparse CSR densified with -1), and the
+    CSR indices when it came sparse, so that the response keeps the request's layout."""
+
+    ids: torch.Tensor  # int64 [len(prompt) - 1, K], -1 = unused
+    crow: np.ndarray | None  # int64 [rows + 1]; None: the request was dense
+    col: np.ndarray | None  # int64 [nnz]
 
 
 @dataclass
@@ -61,3 +86,5 @@ class SampleArgs:
     last_n: int | None
     adapter: tuple[str, int] | None  # sampler version key; None = base model
     checkpoint_path: str | None  # tinker path whose files back `adapter` (None: ephemeral)
+    targets: PromptTargets | None = None
+    alt_k: int = 0  # prompt_alt_tokens_k

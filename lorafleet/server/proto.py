@@ -22,8 +22,9 @@ import torch
 from google.protobuf.message import DecodeError
 from tinker.proto import tinker_public_pb2 as pb
 
-from lorafleet.sample.types import SampleResult, TopK
+from lorafleet.sample.types import PromptAltTokens, SampleResult, TopK
 from lorafleet.server.errors import UserError
+from lorafleet.server.payloads import PromptTargets
 
 _NUMPY_DTYPES: dict[int, tuple[str, np.dtype]] = {
     pb.DTYPE_FLOAT32: ("float32", np.dtype("<f4")),
@@ -263,6 +264,35 @@ def _topk(rows: Sequence[Sequence[tuple[int, float]] | None], k: int) -> pb.Topk
     )
 
 
+def _dense(array: torch.Tensor, dtype: pb.DType.ValueType, np_dtype: str) -> pb.Tensor:
+    values = array.detach().cpu().contiguous().numpy().astype(np_dtype, copy=False)
+    return pb.Tensor(dense=values.tobytes(), dtype=dtype, shape=list(array.shape))
+
+
+def _target_logprobs(targets: PromptTargets, values: torch.Tensor) -> pb.Tensor:
+    """The request's layout: dense, or its own CSR indices with a value per listed cell."""
+    if targets.crow is None or targets.col is None:
+        return _dense(values, pb.DTYPE_FLOAT32, "<f4")
+    row_of = np.repeat(np.arange(values.shape[0], dtype=np.int64), np.diff(targets.crow))
+    listed = values.numpy()[row_of, targets.col].astype("<f4")
+    return pb.Tensor(
+        sparse_csr=pb.SparseCsr(
+            values=listed.tobytes(),
+            crow_indices=targets.crow.astype("<i8").tobytes(),
+            col_indices=targets.col.astype("<i8").tobytes(),
+        ),
+        dtype=pb.DTYPE_FLOAT32,
+        shape=list(values.shape),
+    )
+
+
+def _alt_tokens(alt: PromptAltTokens) -> pb.PromptAltTokens:
+    return pb.PromptAltTokens(
+        tokens=_dense(alt.tokens, pb.DTYPE_INT32, "<i4"),
+        logprobs=_dense(alt.logprobs, pb.DTYPE_FLOAT32, "<f4"),
+    )
+
+
 def sample_response(
     result: SampleResult,
     *,
@@ -270,7 +300,10 @@ def sample_response(
     topk_prompt: int,
     topk_sample: int,
     last_n: int | None,
+    targets: PromptTargets | None = None,
 ) -> bytes:
+    """`last_n` blanks only prompt_logprobs and their top-k; target ids and alternative tokens
+    cover the whole prompt (Tinker's semantics)."""
     out = pb.SampleResponse()
     for seq in result.sequences:
         item = out.sequences.add(
@@ -293,4 +326,10 @@ def sample_response(
             blanks: list[TopK | None] = [None] * max(0, len(rows) - last_n)
             rows = blanks + rows[max(0, len(rows) - last_n) :]
         out.topk_prompt_logprobs.CopyFrom(_topk(rows, topk_prompt))
+    if targets is not None and result.target_prompt_logprobs is not None:
+        out.target_prompt_logprobs.CopyFrom(
+            _target_logprobs(targets, result.target_prompt_logprobs)
+        )
+    if result.prompt_alt_tokens is not None:
+        out.prompt_alt_tokens.CopyFrom(_alt_tokens(result.prompt_alt_tokens))
     return out.SerializeToString()

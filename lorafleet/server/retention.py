@@ -46,6 +46,10 @@ class EphemeralRetention:
             return None
         return self.root / run_dir_name(model_id) / str(version)
 
+    def is_kept(self, model_id: str, key: VersionKey) -> bool:
+        """Whether `key` is one of the model's versions still kept (not past the limit)."""
+        return any(kept == key for kept, _ in self._kept.get(model_id, ()))
+
     def retain(
         self, model_id: str, key: VersionKey, directory: Path | None
     ) -> list[tuple[VersionKey, Path | None]]:

@@ -1,7 +1,8 @@
 """Sample ops into the sampler: each request's adapter version is resolved first (a named
-checkpoint evicted from the sampler is registered again from its files; an ephemeral one that
-is gone is a user error), then the requests go to the sampler together, either run to
-completion (`run`) or queued into its running batch (`start`, then `step`)."""
+checkpoint's current version, registered again from its files if the sampler let it go; an
+ephemeral one past retention is a user error), then the requests go to the sampler together,
+either run to completion (`run`) or queued into its running batch (`start`, then `step`), each
+under its tenant's share key so that admission takes turns between tenants."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ from functools import partial
 from pathlib import Path
 
 from lorafleet.interfaces import Sampler
-from lorafleet.sample import SampleRequest, SampleResult, UnknownVersionError, VersionError
-from lorafleet.sample.versions import detect_kind
+from lorafleet.sample import SampleRequest, SampleResult, VersionError
 from lorafleet.server import proto
 from lorafleet.server.errors import ApiError, NotFound, UserError
 from lorafleet.server.futures import Result
 from lorafleet.server.payloads import SampleArgs
+from lorafleet.server.publishing import INFLIGHT_SUFFIX, LIVE_SUFFIX, VersionPublisher
+from lorafleet.server.redact import exception_text, strip_paths
 from lorafleet.server.retention import VersionKey
 from lorafleet.server.scheduler import Op, PendingSample
 from lorafleet.server.store import Store
@@ -29,7 +31,7 @@ def _not_run() -> Result:
 
 def _result(output: SampleResult, args: SampleArgs) -> Result:
     if output.error is not None:
-        return Result.error(UserError(f"sample: {output.error.message}"))
+        return Result.error(UserError(f"sample: {strip_paths(output.error.message)}"))
     return Result.proto(
         proto.sample_response(
             output,
@@ -37,15 +39,17 @@ def _result(output: SampleResult, args: SampleArgs) -> Result:
             topk_prompt=args.topk_prompt,
             topk_sample=args.topk_sample,
             last_n=args.last_n,
+            targets=args.targets,
         )
     )
 
 
 class SampleBatches:
-    def __init__(self, sampler: Sampler, store: Store, ephemeral_limit: int):
+    def __init__(self, sampler: Sampler, store: Store, publisher: VersionPublisher):
         self.sampler = sampler
         self.store = store
-        self.ephemeral_limit = ephemeral_limit  # named in the error for a version that is gone
+        self.publisher = publisher  # which version of a checkpoint or ephemeral save is current
+        self.ephemeral_limit = publisher.ephemeral_limit  # named in the error for one that is gone
 
     def run(self, ops: list[Op]) -> list[Result]:
         """Runs the ops' samples to completion in one call (samplers without a running batch)."""
@@ -87,9 +91,12 @@ class SampleBatches:
                 params=args.params,
                 adapter=key,
                 num_samples=args.num_samples,
+                share_key=op.tenant,  # admission takes turns between tenants
                 prompt_logprobs=args.prompt_logprobs,
                 topk_prompt_logprobs=args.topk_prompt,
                 topk_sample_logprobs=args.topk_sample,
+                target_prompt_logprobs=None if args.targets is None else args.targets.ids,
+                prompt_alt_tokens_k=args.alt_k,
             )
             batch.append((i, args, request))
         return results, batch
@@ -100,28 +107,28 @@ class SampleBatches:
         key = args.adapter
         if key is None:
             return None
-        versions = self.sampler.versions
+        if key[0].endswith(INFLIGHT_SUFFIX):
+            return self.publisher.inflight_target(key[0])
         if args.checkpoint_path is None:
-            try:
-                versions.info(key)
-            except UnknownVersionError:
+            model_id = key[0].removesuffix(LIVE_SUFFIX)
+            if not self.publisher.retention.is_kept(model_id, key):
                 raise UserError(
                     "these sampler weights came from save_weights_and_get_sampling_client, whose weights are kept only "
                     f"for the newest {self.ephemeral_limit} saves of a model and never across a server "
                     "restart; use save_weights_for_sampler(name) for durable weights"
-                ) from None
+                )
             return key
         checkpoint = self.store.get_checkpoint(args.checkpoint_path)
         if checkpoint is None:
             raise NotFound(f"checkpoint {args.checkpoint_path} was deleted")
+        if checkpoint.expired():
+            raise NotFound(
+                f"checkpoint {args.checkpoint_path} has expired (its ttl_seconds ran out)"
+            )
         try:
-            versions.info(key)
-        except UnknownVersionError:
-            try:
-                detect_kind(Path(checkpoint.dir))
-                versions.register(key[0], key[1], checkpoint.dir)
-            except VersionError as exc:
-                raise UserError(
-                    f"checkpoint {args.checkpoint_path} cannot be sampled: {exc}"
-                ) from None
-        return key
+            # The checkpoint's current weights: an overwrite gave them a new version.
+            return self.publisher.checkpoint_version(checkpoint.tinker_path, Path(checkpoint.dir))
+        except VersionError as exc:
+            raise UserError(
+                f"checkpoint {args.checkpoint_path} cannot be sampled: {exception_text(exc)}"
+            ) from None

@@ -24,14 +24,11 @@ class Sampling:
         ownership: Ownership,
         intake: Intake,
         served: ServedBase,
-        *,
-        max_num_samples: int,
     ):
         self.store = store
         self.ownership = ownership
         self.intake = intake
         self.served = served
-        self.max_num_samples = max_num_samples
 
     def create_session(self, tenant: Tenant, body: Any) -> dict[str, Any]:
         req = schemas.parse(schemas.CreateSamplingSession, body)
@@ -39,7 +36,7 @@ class Sampling:
         sampler_id = ids.sampling_session_id(req.session_id, req.sampling_session_seq_id)
         adapter_id: str | None = None
         if req.model_path is not None:
-            checkpoint = self.ownership.checkpoint(
+            checkpoint = self.ownership.readable_checkpoint(
                 tenant, parse_tinker_path(req.model_path, "model_path")
             )
             base_model = (
@@ -79,7 +76,7 @@ class Sampling:
 
     def sample(self, tenant: Tenant, body: Any) -> dict[str, Any]:
         req = schemas.parse(schemas.Sample, body)
-        requests.check_num_samples(req.num_samples, self.max_num_samples)
+        requests.check_num_samples(req.num_samples, self.served.limits.max_num_samples)
         scope: str | None = None
         adapter: tuple[str, int] | None = None
         checkpoint_path: str | None = None
@@ -90,7 +87,7 @@ class Sampling:
                 adapter = (row.adapter_id, row.adapter_version or 0)
                 checkpoint_path = row.model_path
         elif req.model_path is not None:
-            checkpoint = self.ownership.checkpoint(
+            checkpoint = self.ownership.readable_checkpoint(
                 tenant, parse_tinker_path(req.model_path, "model_path")
             )
             adapter, checkpoint_path = (checkpoint.tinker_path, 0), checkpoint.tinker_path
@@ -99,7 +96,9 @@ class Sampling:
         else:
             raise UserError("asample needs sampling_session_id, model_path or base_model")
         try:
-            payload: SampleArgs | ApiError = requests.sample_args(req, adapter, checkpoint_path)
+            args = requests.sample_args(req, adapter, checkpoint_path)
+            requests.check_sample_cost(args, self.served.limits, self.served.context_length)
+            payload: SampleArgs | ApiError = args
         except ApiError as exc:
             payload = exc
         seq_id = req.seq_id if scope is not None else None

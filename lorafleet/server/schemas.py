@@ -12,6 +12,7 @@ import json
 from typing import Annotated, Any, TypeVar
 
 from pydantic import (
+    AfterValidator,
     AliasChoices,
     BaseModel,
     ConfigDict,
@@ -31,6 +32,33 @@ SeqId = Annotated[StrictInt, Field(ge=1, le=INT64_MAX)]
 Counter = Annotated[StrictInt, Field(ge=0, le=INT64_MAX)]
 Int64 = Annotated[StrictInt, Field(ge=-INT64_MAX - 1, le=INT64_MAX)]
 Ttl = Annotated[StrictInt, Field(le=MAX_TTL_SECONDS)]
+# user_metadata is stored with its session, model or checkpoint and shown again in every
+# listing row (a run row carries its own and its last two checkpoints'), so these bounds times
+# the page size bound a listing: 1000 rows x 3 x 4 KiB
+MAX_METADATA_KEYS = 64
+MAX_METADATA_BYTES = 4 << 10
+MAX_LABEL_CHARS = 1024  # a session's project id, display name, SDK version and each tag
+MAX_TAGS = 64
+
+
+def bounded_metadata(value: dict[str, Any]) -> dict[str, Any]:
+    if len(value) > MAX_METADATA_KEYS:
+        raise ValueError(
+            f"has {len(value)} keys, more than this server's limit of {MAX_METADATA_KEYS}"
+        )
+    try:
+        size = len(json.dumps(value, ensure_ascii=False).encode())
+    except (RecursionError, ValueError, TypeError):
+        raise ValueError("is not plain JSON (nested too deeply?)") from None
+    if size > MAX_METADATA_BYTES:
+        raise ValueError(
+            f"is {size} bytes as JSON, more than this server's limit of {MAX_METADATA_BYTES}"
+        )
+    return value
+
+
+UserMetadata = Annotated[dict[str, Any], AfterValidator(bounded_metadata)]
+Label = Annotated[str, Field(max_length=MAX_LABEL_CHARS)]
 
 
 class _Body(BaseModel):
@@ -67,11 +95,11 @@ def parse(model: type[M], data: Any) -> M:
 
 
 class CreateSession(_Body):
-    tags: list[str] = Field(default_factory=list)
-    user_metadata: dict[str, Any] | None = None
-    sdk_version: str | None = None
-    project_id: str | None = None
-    display_name: str | None = None
+    tags: Annotated[list[Label], Field(max_length=MAX_TAGS)] = Field(default_factory=list)
+    user_metadata: UserMetadata | None = None
+    sdk_version: Label | None = None
+    project_id: Label | None = None
+    display_name: Label | None = None
 
 
 class SessionRef(_Body):
@@ -96,7 +124,7 @@ class CreateModel(_Body):
     model_seq_id: Counter
     base_model: str
     lora_config: LoraConfig = Field(default_factory=LoraConfig)
-    user_metadata: dict[str, Any] | None = None
+    user_metadata: UserMetadata | None = None
     optimizer_config: dict[str, Any] | None = None
 
 
@@ -118,7 +146,7 @@ class SaveWeights(_Body):
     path: str
     overwrite: StrictBool = False
     ttl_seconds: Ttl | None = None
-    user_metadata: dict[str, Any] | None = None
+    user_metadata: dict[str, Any] | None = None  # bounded in requests.py (seq_id order)
 
 
 class SaveWeightsForSampler(_Body):
@@ -128,7 +156,7 @@ class SaveWeightsForSampler(_Body):
     sampling_session_seq_id: Counter | None = None
     kind: str = "snapshot"
     ttl_seconds: Ttl | None = None
-    user_metadata: dict[str, Any] | None = None
+    user_metadata: dict[str, Any] | None = None  # bounded in requests.py (seq_id order)
 
 
 class LoadWeights(_Body):
@@ -139,7 +167,7 @@ class LoadWeights(_Body):
     session_id: str | None = None
     model_seq_id: Counter | None = None
     base_model: str | None = None
-    user_metadata: dict[str, Any] | None = None
+    user_metadata: UserMetadata | None = None
     optimizer_config: dict[str, Any] | None = None
     weights_access_token: str | None = None
 
@@ -197,3 +225,46 @@ class WeightsInfo(_Body):
 
 class SetTtl(_Body):
     ttl_seconds: Ttl | None = None
+
+
+# ------------------------------------------------------------------ external weights, copies, sessions
+class SaveWeightsExternal(_Body):
+    model_id: str
+    seq_id: SeqId
+    path: str
+    ttl_seconds: Ttl | None = None
+    age_encryption_recipients: list[str] | None = None
+
+
+class CopyWeights(_Body):
+    source_path: str
+    session_id: str | None = None
+    model_seq_id: Counter | None = None
+    destination_project_id: str | None = None
+    ttl_seconds: Ttl | None = None
+    weights_access_token: str | None = None
+
+
+class AssignProject(_Body):
+    project_id: str
+
+
+class SearchOwner(_Body):
+    type: str = "own"
+    owner_urns: list[str] | None = None
+
+
+class SearchCursor(_Body):
+    last_created_at: str
+    last_session_id: str
+
+
+class SessionSearch(_Body):
+    session_id: str | None = None
+    project_ids: list[str] | None = None
+    user_metadata: dict[str, str] = Field(default_factory=dict)
+    display_name: str | None = None
+    owner: SearchOwner = Field(default_factory=SearchOwner)
+    statuses: list[dict[str, Any]] | None = None
+    limit: Annotated[StrictInt, Field(ge=1, le=200)] = 50
+    cursor: SearchCursor | None = None

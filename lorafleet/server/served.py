@@ -1,9 +1,11 @@
 """What this server serves, as the HTTP side sees it: the base model's names and limits, read
-once from the executor when it is built, so that request checks never reach into the engine."""
+once from the executor when it is built, so that request checks never reach into the engine;
+and the per-request size caps (`RequestLimits`), which clients can read from the server's
+capabilities before they send something too big."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from lorafleet.server.errors import UserError
@@ -12,11 +14,13 @@ from lorafleet.server.errors import UserError
 @dataclass(frozen=True)
 class ServedBase:
     base_id: str  # preset name or absolute directory: what checkpoints record
-    base_path: Path  # the directory, which is also the tokenizer id clients are given
+    base_path: Path  # the directory (a server path: never shown to tenants as a tokenizer id)
     arch: str
     context_length: int | None
     max_lora_rank: int
     lora_alpha: float
+    limits: RequestLimits
+    tokenizer_id: str  # hub-style name the tokenizer loads by (model.hub_cache.publish_tokenizer)
 
     @property
     def names(self) -> list[str]:
@@ -34,5 +38,32 @@ class ServedBase:
             except (OSError, RuntimeError, ValueError):  # ValueError: a NUL byte in the name
                 pass
         raise UserError(
-            f"{field} {name!r} is not served here; this server serves {' or '.join(map(repr, self.names))}"
+            f"{field} {name!r} is not served here; this server serves {self.base_id!r} "
+            "(get_server_capabilities lists its names)"
         )
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Caps on what one request may cost, checked before any work starts (and reported to
+    clients as `lorafleet_limits` in `get_server_capabilities`).
+
+    A sample response is bounded by its wire size, estimated from the request alone
+    (`requests.response_bytes`): the server holds each sampled token and top-k entry as Python
+    objects until the response is encoded, several times its wire size, so this cap is what
+    bounds a request's memory. Top-k lists are capped on their own because their cost is per
+    token and per sample; 20 is what vLLM and OpenAI-style APIs allow by default, enough for
+    distillation and entropy estimates. Metadata is stored per session, model and checkpoint
+    and shown again in every listing row, so its bound times the page size bounds a listing."""
+
+    max_num_samples: int
+    max_response_bytes: int
+    max_topk_logprobs: int
+    max_metadata_keys: int
+    max_metadata_bytes: int
+    max_page: int
+    max_json_bytes: int
+    max_body_bytes: int
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)

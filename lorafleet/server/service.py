@@ -12,16 +12,22 @@ payloads are already parsed, or as `EngineCalls`.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from lorafleet.engines import EngineConfig
 from lorafleet.fsio import ensure_private_dir
-from lorafleet.server import recovery, schemas
+from lorafleet.model.hub_cache import publish_tokenizer, tokenizer_name
+from lorafleet.server import health, recovery, schemas, views
 from lorafleet.server.auth import KeyRing, Tenant
+from lorafleet.server.disk import DiskGuard
 from lorafleet.server.engine_calls import EngineCalls
 from lorafleet.server.executor import Executor
 from lorafleet.server.futures import JSON, FutureTable, Result
@@ -30,10 +36,15 @@ from lorafleet.server.ownership import Ownership
 from lorafleet.server.rest import Rest
 from lorafleet.server.sampling import Sampling
 from lorafleet.server.scheduler import Scheduler
-from lorafleet.server.served import ServedBase
+from lorafleet.server.served import RequestLimits, ServedBase
 from lorafleet.server.sessions import Sessions
-from lorafleet.server.store import Store
+from lorafleet.server.signed_urls import UrlSigner, load_or_create_secret
+from lorafleet.server.store import CheckpointRow, Store
 from lorafleet.server.training import Training
+
+log = logging.getLogger(__name__)
+
+EXPIRED_PER_ROUND = 256  # checkpoint deletions one maintenance round queues on the engine
 
 RESTART_MESSAGE = (
     "the server restarted before this request finished; submit it again "
@@ -49,18 +60,44 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     engine: EngineConfig | None = None  # None: defaults for `base_model`
-    long_poll_s: float = 25.0  # under the SDK's 45 s retrieve timeout
+    # retrieve_future holds this long before try_again: the SDK's read timeout for it is 45 s
+    # (tinker/lib/api_future_impl.py), and each early try_again costs the client a log line
+    long_poll_s: float = 40.0
     batch_window_s: float = 0.005  # lets requests that arrive together share a batch
-    gap_timeout_s: float = 600.0
+    # a seq_id missing this long is skipped (scheduler._expire_gaps); the SDK numbers a call
+    # before sending it, so a lost request would otherwise hold up its model for good
+    gap_timeout_s: float = 30.0
+    # where the base's tokenizer is placed for clients on this machine (None: the hub cache
+    # transformers uses here, $HF_HUB_CACHE)
+    tokenizer_cache: Path | None = None
     future_ttl_s: float = 24 * 3600.0
     # no heartbeat for this long: the session's models are unloaded
     session_timeout_s: float = 900.0
+    # how often maintenance runs (a thread, and on requests): stale sessions, old futures, and
+    # checkpoints past their TTL are deleted within about this long
     maintenance_interval_s: float = 60.0
+    # start-up recovery may delete more than a crash explains (see recovery.py); off, it refuses
+    allow_recovery_deletes: bool = False
     max_body_bytes: int = 64 << 20  # protobuf forward_backward bodies; the SDK sends <= 5 MB chunks
     max_json_bytes: int = 8 << 20  # every JSON body (prompts, saves, polls)
     body_timeout_s: float = 120.0  # a body that trickles in slower than this is refused (408)
     max_num_samples: int = 1024  # per asample request
+    # a sample response's estimated wire size (requests.response_bytes); the server holds it
+    # as Python objects until it is encoded, several times this (docs/reliability.md)
+    max_response_bytes: int = 6 << 20
+    max_topk_logprobs: int = 20  # topk_sample/topk_prompt_logprobs (see served.RequestLimits)
     torch_threads: int | None = None
+    # finished results: in memory up to this many bytes in all (newest kept)...
+    results_memory_bytes: int = 64 << 20
+    # ... each at most this big (bigger ones are read back from SQLite when polled)
+    results_memory_entry_bytes: int = 1 << 20
+    # in SQLite up to this many bytes in all (oldest deleted first), besides `future_ttl_s`
+    results_stored_bytes: int = 1 << 30
+    # kept free on the data disk so that deletions still work when it fills (disk.py); at most
+    # 1/16 of the filesystem
+    disk_reserve_bytes: int = 8 << 20
+    # a round running, or ready work waiting, this long makes /healthz report the engine stalled
+    engine_stall_s: float = 600.0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -75,7 +112,22 @@ def build_executor(config: ServerConfig, store: Store, data_dir: Path) -> Execut
     return Executor(engine, store, data_dir, torch_threads=torch.get_num_threads())
 
 
-def served_base(executor: Executor) -> ServedBase:
+def request_limits(config: ServerConfig) -> RequestLimits:
+    return RequestLimits(
+        max_num_samples=config.max_num_samples,
+        max_response_bytes=config.max_response_bytes,
+        max_topk_logprobs=config.max_topk_logprobs,
+        max_metadata_keys=schemas.MAX_METADATA_KEYS,
+        max_metadata_bytes=schemas.MAX_METADATA_BYTES,
+        max_page=views.MAX_PAGE,
+        max_json_bytes=config.max_json_bytes,
+        max_body_bytes=config.max_body_bytes,
+    )
+
+
+def served_base(
+    executor: Executor, limits: RequestLimits, tokenizer_cache: Path | None = None
+) -> ServedBase:
     return ServedBase(
         base_id=executor.base_id,
         base_path=executor.base_path,
@@ -83,7 +135,26 @@ def served_base(executor: Executor) -> ServedBase:
         context_length=executor.context_length,
         max_lora_rank=executor.config.max_lora_rank,
         lora_alpha=executor.config.lora_alpha,
+        limits=limits,
+        tokenizer_id=served_tokenizer(executor.base_path, tokenizer_cache),
     )
+
+
+def served_tokenizer(model_dir: Path, cache: Path | None) -> str:
+    """The tokenizer's hub-style name, placed in this machine's hub cache so that clients here
+    load it by that name offline (clients elsewhere run `lorafleet tokenizer <preset>`). A
+    cache that cannot take it costs only that convenience, so the server still starts."""
+    name = tokenizer_name(model_dir)
+    try:
+        publish_tokenizer(model_dir, cache)
+    except OSError as exc:
+        log.warning(
+            "tokenizer %r not placed in the hub cache (%s); clients load it offline only after "
+            "`lorafleet tokenizer` on their machine",
+            name,
+            exc,
+        )
+    return name
 
 
 class Service:
@@ -92,38 +163,65 @@ class Service:
     in reverse; between the two it only runs maintenance."""
 
     def __init__(self, config: ServerConfig):
+        if not 0 < config.maintenance_interval_s < float("inf"):
+            raise ValueError(
+                f"maintenance_interval_s must be a positive number of seconds, got {config.maintenance_interval_s!r}"
+            )
         self.config = config
         self.data_dir = ensure_private_dir(Path(config.data_dir).expanduser().resolve())
         db_path = self.data_dir / "lorafleet.db"
         # SQLite's -wal/-shm inherit this file's mode
         os.close(os.open(db_path, os.O_CREAT | os.O_RDWR, 0o600))
-        self.store = Store(db_path)
-        self.recovered = self._recover()
+        self.disk = DiskGuard(self.data_dir, config.disk_reserve_bytes)
+        self.store = Store(db_path, on_disk_full=self.disk.release)
+        try:
+            self.recovered = self._recover()
+        except BaseException:
+            self.store.close()
+            raise
         self.keys = KeyRing(config.api_keys)
-        self.futures = FutureTable(self.store)
+        self.futures = FutureTable(
+            self.store,
+            memory_bytes=config.results_memory_bytes,
+            memory_entry_bytes=config.results_memory_entry_bytes,
+            stored_bytes=config.results_stored_bytes,
+            ttl_s=config.future_ttl_s,
+        )
         self.scheduler = Scheduler(
             self.futures,
             batch_window_s=config.batch_window_s,
             gap_timeout_s=config.gap_timeout_s,
+            disk_guard=self.disk,
+            stall_s=config.engine_stall_s,
         )
         self.executor = self.scheduler.start(
             lambda: build_executor(config, self.store, self.data_dir)
         ).result()
-        self.served = served_base(self.executor)
+        self.served = served_base(self.executor, request_limits(config), config.tokenizer_cache)
         self.started_at = time.time()
         self._last_maintenance = time.monotonic()
+        self._maintenance_lock = threading.Lock()
+        self._expiring: set[str] = set()  # tinker paths whose deletion is queued on the engine
+        self._expiring_lock = threading.Lock()
+        self.maintenance_failures = 0
+        self._stop_maintenance = threading.Event()
 
         engine = EngineCalls(self.scheduler, self.executor)
         ownership = Ownership(self.store)
         intake = Intake(self.store, self.futures, self.scheduler, ownership, self._maybe_maintain)
-        self.sessions = Sessions(self.store, ownership, engine)
+        self.intake = intake  # the catch-all route records unknown calls' seq_ids through it
+        signer = UrlSigner(load_or_create_secret(self.data_dir))  # download links (signed_urls.py)
+        self.sessions = Sessions(self.store, ownership, engine, signer)
         self.training = Training(
             ownership, intake, self.served, max_body_bytes=config.max_body_bytes
         )
-        self.sampling = Sampling(
-            self.store, ownership, intake, self.served, max_num_samples=config.max_num_samples
+        self.sampling = Sampling(self.store, ownership, intake, self.served)
+        self.rest = Rest(self.store, ownership, engine, self.served, signer, self.data_dir)
+        self._engine = engine
+        self._maintenance = threading.Thread(
+            target=self._maintenance_loop, name="lorafleet-maintenance", daemon=True
         )
-        self.rest = Rest(self.store, ownership, engine, self.served)
+        self._maintenance.start()
 
     def _recover(self) -> dict[str, int]:
         """A previous process's pending futures can never finish, its in-memory models are gone,
@@ -132,24 +230,79 @@ class Service:
         failed = self.store.fail_unfinished_futures(JSON, body)
         lost = self.store.mark_active_models("lost")
         pruned = self.store.prune_futures(time.time() - self.config.future_ttl_s)
-        files = recovery.sweep(self.data_dir, self.store)
+        files = recovery.sweep(
+            self.data_dir, self.store, allow_deletes=self.config.allow_recovery_deletes
+        )
         return {"failed_futures": failed, "lost_models": lost, "pruned_futures": pruned, **files}
 
     def maintain(self) -> None:
-        """Drops old future results and unloads the models of clients that stopped heartbeating
-        (a crashed client never calls finish, and its adapter slots would stay taken)."""
+        """Drops old future results, unloads the models of clients that stopped heartbeating
+        (a crashed client never calls finish, and its adapter slots would stay taken) and
+        deletes checkpoints past their TTL."""
         now = time.time()
         self.store.prune_futures(now - self.config.future_ttl_s)
+        self.futures.prune_stored()
+        self.disk.refresh()
         self.sessions.expire_stale(
             now - self.config.session_timeout_s, self.config.session_timeout_s
         )
+        self._delete_expired(now)
+
+    def _delete_expired(self, now: float) -> None:
+        """Through the engine, as DELETE does, so that a published sampler version goes with its
+        files. Not waited for (this may run on a request's thread); a failed deletion is logged
+        and tried again at the next maintenance."""
+        for row in self.store.expired_checkpoints(now, EXPIRED_PER_ROUND):
+            with self._expiring_lock:
+                if row.tinker_path in self._expiring:
+                    continue
+                self._expiring.add(row.tinker_path)
+            deleted = self._engine.delete_checkpoint(row)
+            deleted.add_done_callback(partial(self._expired_deleted, row))
+
+    def _expired_deleted(self, row: CheckpointRow, deleted: Future[None]) -> None:
+        with self._expiring_lock:
+            self._expiring.discard(row.tinker_path)
+        error = None if deleted.cancelled() else deleted.exception()
+        if error is not None:
+            log.error(
+                "deleting expired checkpoint %s failed; maintenance will try again",
+                row.tinker_path,
+                exc_info=error,
+            )
+        else:
+            log.info("deleted checkpoint %s, expired at %s", row.tinker_path, row.expires_at)
 
     def _maybe_maintain(self) -> None:
+        """On each request: maintenance, if it is due and not already running."""
         if time.monotonic() - self._last_maintenance >= self.config.maintenance_interval_s:
+            self._run_maintenance()
+
+    def _run_maintenance(self) -> None:
+        if not self._maintenance_lock.acquire(blocking=False):
+            return  # running on another thread
+        try:
             self._last_maintenance = time.monotonic()
             self.maintain()
+        finally:
+            self._maintenance_lock.release()
+
+    def _maintenance_loop(self) -> None:
+        """Maintenance on an idle server too (nothing else would delete an expired checkpoint
+        while no requests come). A failed round is logged and counted in stats; the loop goes
+        on, so one bad round does not end maintenance for good."""
+        while not self._stop_maintenance.wait(self.config.maintenance_interval_s):
+            try:
+                self._run_maintenance()
+            except Exception:
+                self.maintenance_failures += 1
+                log.exception(
+                    "maintenance failed; trying again in %.0f s", self.config.maintenance_interval_s
+                )
 
     def close(self) -> None:
+        self._stop_maintenance.set()
+        self._maintenance.join()
         self.futures.close()
         self.scheduler.stop()
         self.executor.close()
@@ -162,11 +315,19 @@ class Service:
         req = schemas.parse(schemas.RetrieveFuture, body)
         return await self.futures.wait(req.request_id, tenant.id, self.config.long_poll_s)
 
+    def health(self) -> tuple[int, dict[str, str]]:
+        """What /healthz answers (unauthenticated, so nothing but states): see health.py."""
+        return health.report(self.scheduler.liveness(), self.disk.state())
+
     def stats(self) -> dict[str, Any]:
         return {
             **self.scheduler.stats.as_dict(),
             **self.executor.stats(),
+            **self.futures.memory(),
+            "disk": self.disk.state(),
+            "disk_full_episodes": self.disk.times_full,
             "pending_ops": self.scheduler.pending(),
             "uptime_s": time.time() - self.started_at,
             "recovered": self.recovered,
+            "maintenance_failures": self.maintenance_failures,
         }

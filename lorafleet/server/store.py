@@ -6,21 +6,30 @@ is. One connection behind a lock (the HTTP thread and the engine worker both wri
 statement is short), WAL so that readers never wait for the writer, `synchronous=NORMAL`
 because WAL keeps the database consistent across a crash and losing the last few milliseconds
 of commits costs at most a retried request.
+
+Paths are stored relative to the data directory (the database file's directory), so a data dir
+that is moved or restored elsewhere still names its own files: `CheckpointRow.dir` is absolute
+in memory and converted here, on the way in and out, and a stored path that would lead outside
+the data dir is refused when read. Older databases are migrated in one transaction at open.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
-SCHEMA_VERSION = 1
+from lorafleet.server import disk
+
+SCHEMA_VERSION = 2
+"""1: checkpoint dirs absolute; 2: relative to the data dir."""
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -96,6 +105,53 @@ def _unjson(text: str | None) -> Any:
     return None if text is None else json.loads(text)
 
 
+class StoreError(RuntimeError):
+    """The database says something this server cannot act on safely (a newer schema, a stored
+    path outside the data dir); nothing was changed."""
+
+
+def relative_dir(stored: str, tinker_path: str) -> PurePosixPath:
+    """A stored checkpoint dir, checked to stay inside the data dir: relative, no `..`."""
+    path = PurePosixPath(stored)
+    if path.is_absolute() or not path.parts or ".." in path.parts:
+        raise StoreError(
+            f"checkpoint {tinker_path}: stored dir {stored!r} is not a path inside the data dir"
+        )
+    return path
+
+
+def _layout_tail(stored: str, tinker_path: str) -> str:
+    """Schema 1 stored absolute dirs. Whatever directory the data dir was in then, the tail is
+    the data-dir layout: `tenants/<tenant>/runs/<run>/<segment>/<name>` (checkpoints) or
+    `ephemeral/<run>/<version>`."""
+    path = PurePosixPath(stored)
+    if not path.is_absolute():
+        return str(relative_dir(stored, tinker_path))
+    parts = path.parts
+    if len(parts) > 6 and parts[-6] == "tenants" and parts[-4] == "runs":
+        tail = parts[-6:]
+    elif len(parts) > 3 and parts[-3] == "ephemeral":
+        tail = parts[-3:]
+    else:
+        raise StoreError(
+            f"cannot migrate checkpoint {tinker_path}: its dir {stored!r} is not in the data-dir "
+            "layout (tenants/<tenant>/runs/<run>/<segment>/<name>); the database was left unchanged"
+        )
+    return str(relative_dir(str(PurePosixPath(*tail)), tinker_path))
+
+
+def _v1_relative_dirs(db: sqlite3.Connection) -> None:
+    for row in db.execute("SELECT tinker_path, dir FROM checkpoints").fetchall():
+        db.execute(
+            "UPDATE checkpoints SET dir=? WHERE tinker_path=?",
+            (_layout_tail(row["dir"], row["tinker_path"]), row["tinker_path"]),
+        )
+
+
+_MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _v1_relative_dirs}
+"""schema version -> the step to the next one; all steps run in one transaction at open."""
+
+
 @dataclass
 class SessionRow:
     session_id: str
@@ -150,6 +206,12 @@ class CheckpointRow:
     expires_at: float | None
     info: dict[str, Any]  # base_model, lora config: what weights_info and loads need
 
+    def expired(self, now: float | None = None) -> bool:
+        """Past its TTL: gone for the client at once, deleted at the next maintenance."""
+        return self.expires_at is not None and self.expires_at <= (
+            time.time() if now is None else now
+        )
+
 
 @dataclass
 class SamplingSessionRow:
@@ -164,25 +226,55 @@ class SamplingSessionRow:
 
 
 class Store:
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, *, on_disk_full: Callable[[], bool] | None = None):
+        """The data dir, which stored paths are relative to, is the database file's directory."""
         self.path = Path(path)
+        self._on_disk_full = on_disk_full  # DiskGuard.release: True if room was made
+        self.data_dir = Path(os.path.abspath(self.path.parent))
+        self._real_root = os.path.realpath(self.data_dir)
         self._lock = threading.RLock()
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         self._db.row_factory = sqlite3.Row
-        with self._lock:
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.execute("PRAGMA foreign_keys=ON")
-            self._db.executescript(_SCHEMA)
-            row = self._db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-            if row is None:
-                self._db.execute(
-                    "INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
+        try:
+            with self._lock:
+                self._db.execute("PRAGMA journal_mode=WAL")
+                self._db.execute("PRAGMA synchronous=NORMAL")
+                self._db.execute("PRAGMA foreign_keys=ON")
+                self._migrate()
+                self._db.executescript(_SCHEMA)
+                if self._schema_version() is None:
+                    self._db.execute(
+                        "INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
+                    )
+        except BaseException:
+            self._db.close()
+            raise
+
+    def _schema_version(self) -> int | None:
+        """None for a new database."""
+        has_meta = self._db.execute(
+            "SELECT 1 FROM sqlite_master WHERE type='table' AND name='meta'"
+        ).fetchone()
+        if has_meta is None:
+            return None
+        row = self._db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+        return None if row is None else int(row["value"])
+
+    def _migrate(self) -> None:
+        """Brings an older database to SCHEMA_VERSION, all steps in one transaction: a step
+        that fails (a row it cannot convert) leaves the database as it was."""
+        with self._tx() as db:
+            version = self._schema_version()
+            if version is None or version == SCHEMA_VERSION:
+                return
+            steps = range(version, SCHEMA_VERSION)
+            if version > SCHEMA_VERSION or any(step not in _MIGRATIONS for step in steps):
+                raise StoreError(
+                    f"{self.path}: schema version {version}, this server speaks {SCHEMA_VERSION}"
                 )
-            elif int(row["value"]) != SCHEMA_VERSION:
-                raise RuntimeError(
-                    f"{self.path}: schema version {row['value']}, this server speaks {SCHEMA_VERSION}"
-                )
+            for step in steps:
+                _MIGRATIONS[step](db)
+            db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
 
     def close(self) -> None:
         with self._lock:
@@ -208,8 +300,33 @@ class Store:
             return self._db.execute(sql, args).fetchall()
 
     def _run(self, sql: str, args: tuple) -> int:
+        """A write. On a full disk it first makes room (the WAL checkpointed and truncated, then
+        the disk guard's reserve released) and retries; if that is not enough, DiskFull."""
+        failure: sqlite3.OperationalError | None = None
         with self._lock:
-            return self._db.execute(sql, args).rowcount
+            for remedy in (None, self._truncate_wal, self._on_disk_full):
+                if remedy is not None and not remedy():
+                    continue
+                try:
+                    if remedy is None and disk.injected_full():
+                        raise sqlite3.OperationalError("database or disk is full")
+                    return self._db.execute(sql, args).rowcount
+                except sqlite3.OperationalError as exc:
+                    if not disk.is_disk_full(exc):
+                        raise
+                    failure = exc
+            raise disk.disk_full_error() from failure
+
+    def _truncate_wal(self) -> bool:
+        """Moves the WAL into the database and truncates it: a full disk leaves the WAL unable
+        to grow and never reaching the size that would checkpoint it by itself."""
+        try:
+            busy, _, _ = self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        except sqlite3.OperationalError as exc:
+            if disk.is_disk_full(exc):
+                return False
+            raise
+        return busy == 0
 
     # ------------------------------------------------------------------ sessions
     def add_session(self, session_id: str, tenant: str, info: dict[str, Any]) -> None:
@@ -343,7 +460,45 @@ class Store:
             "DELETE FROM futures WHERE state!='pending' AND finished_at < ?", (older_than,)
         )
 
+    def prune_futures_to_bytes(self, max_bytes: int) -> int:
+        """Deletes the oldest finished results until the newest ones' bodies total at most
+        `max_bytes` (a few big sample results must not fill the disk within the TTL)."""
+        return self._run(
+            "DELETE FROM futures WHERE request_id IN (SELECT request_id FROM ("
+            "SELECT request_id, SUM(length(body)) OVER ("
+            "ORDER BY finished_at DESC, request_id ROWS UNBOUNDED PRECEDING) AS newer "
+            "FROM futures WHERE state!='pending') WHERE newer > ?)",
+            (max_bytes,),
+        )
+
+    def stored_result_bytes(self) -> int:
+        row = self._one(
+            "SELECT COALESCE(SUM(length(body)), 0) AS n FROM futures WHERE state!='pending'", ()
+        )
+        return int(row["n"]) if row else 0
+
     # ------------------------------------------------------------------ checkpoints
+    def _stored_dir(self, row: CheckpointRow) -> str:
+        where = Path(row.dir)
+        try:
+            relative = where.relative_to(self.data_dir)
+        except ValueError:
+            raise StoreError(
+                f"checkpoint {row.tinker_path}: dir {where} is not inside the data dir {self.data_dir}"
+            ) from None
+        return str(relative_dir(relative.as_posix(), row.tinker_path))
+
+    def _absolute_dir(self, stored: str, tinker_path: str) -> str:
+        """The stored dir under this data dir; refused if it (through a symlink, say) leads
+        outside it."""
+        where = self.data_dir / relative_dir(stored, tinker_path)
+        real = os.path.realpath(where)
+        if os.path.commonpath([real, self._real_root]) != self._real_root:
+            raise StoreError(
+                f"checkpoint {tinker_path}: stored dir {stored!r} resolves to {real}, outside the data dir"
+            )
+        return str(where)
+
     def put_checkpoint(self, row: CheckpointRow) -> None:
         self._run(
             "INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -353,7 +508,7 @@ class Store:
                 row.model_id,
                 row.kind,
                 row.name,
-                row.dir,
+                self._stored_dir(row),
                 row.created_at,
                 row.size_bytes,
                 _json(row.user_metadata),
@@ -362,21 +517,24 @@ class Store:
             ),
         )
 
-    @staticmethod
-    def _checkpoint(row: sqlite3.Row) -> CheckpointRow:
+    def _checkpoint(self, row: sqlite3.Row) -> CheckpointRow:
         data = dict(row)
+        data["dir"] = self._absolute_dir(data["dir"], data["tinker_path"])
         data["user_metadata"] = _unjson(data["user_metadata"])
         data["info"] = _unjson(data["info"])
         return CheckpointRow(**data)
 
     def get_checkpoint(self, tinker_path: str) -> CheckpointRow | None:
+        """Expired rows too: the caller tells the client it expired rather than that it never was."""
         row = self._one("SELECT * FROM checkpoints WHERE tinker_path=?", (tinker_path,))
         return None if row is None else self._checkpoint(row)
 
     def list_checkpoints(
         self, tenant: str, model_id: str | None = None, limit: int = 1000, offset: int = 0
     ) -> tuple[list[CheckpointRow], int]:
-        where, args = "tenant=?", [tenant]
+        """Unexpired ones only: an expired checkpoint is gone for the client before maintenance
+        deletes it."""
+        where, args = "tenant=? AND (expires_at IS NULL OR expires_at > ?)", [tenant, time.time()]
         if model_id is not None:
             where += " AND model_id=?"
             args.append(model_id)
@@ -387,13 +545,27 @@ class Store:
         total = self._one(f"SELECT COUNT(*) AS n FROM checkpoints WHERE {where}", tuple(args))
         return [self._checkpoint(r) for r in rows], int(total["n"]) if total else 0
 
-    def all_checkpoint_dirs(self) -> list[str]:
-        return [r["dir"] for r in self._all("SELECT dir FROM checkpoints", ())]
+    def all_checkpoints(self) -> list[CheckpointRow]:
+        """Every row, expired ones too: what start-up recovery must not delete."""
+        return [
+            self._checkpoint(r)
+            for r in self._all("SELECT * FROM checkpoints ORDER BY tinker_path", ())
+        ]
+
+    def expired_checkpoints(self, now: float, limit: int) -> list[CheckpointRow]:
+        """The oldest-expired first, at most `limit` (maintenance deletes them in bounded rounds)."""
+        rows = self._all(
+            "SELECT * FROM checkpoints WHERE expires_at IS NOT NULL AND expires_at <= ? "
+            "ORDER BY expires_at, tinker_path LIMIT ?",
+            (now, limit),
+        )
+        return [self._checkpoint(r) for r in rows]
 
     def last_checkpoint(self, model_id: str, kind: str) -> CheckpointRow | None:
         row = self._one(
-            "SELECT * FROM checkpoints WHERE model_id=? AND kind=? ORDER BY created_at DESC LIMIT 1",
-            (model_id, kind),
+            "SELECT * FROM checkpoints WHERE model_id=? AND kind=? "
+            "AND (expires_at IS NULL OR expires_at > ?) ORDER BY created_at DESC LIMIT 1",
+            (model_id, kind, time.time()),
         )
         return None if row is None else self._checkpoint(row)
 
@@ -421,3 +593,171 @@ class Store:
             "SELECT * FROM sampling_sessions WHERE sampling_session_id=?", (sampling_session_id,)
         )
         return None if row is None else SamplingSessionRow(**dict(row))
+
+    # ------------------------------------------------------------------ REST: publication, projects, session listing
+    # Published flags and projects live in the `info` JSON of checkpoints and sessions (no schema
+    # change); a model's project is its session's. Expired checkpoints count as gone here too.
+    _LIVE = "(c.expires_at IS NULL OR c.expires_at > ?)"
+    _PUBLIC = "json_extract(c.info, '$.public') = 1"
+    _IN_PROJECT = (
+        "EXISTS (SELECT 1 FROM sessions s WHERE s.session_id = m.session_id "
+        "AND json_extract(s.info, '$.project_id') = ?)"
+    )
+
+    @staticmethod
+    def _session(row: sqlite3.Row) -> SessionRow:
+        data = dict(row)
+        data["info"] = _unjson(data["info"])
+        return SessionRow(**data)
+
+    def has_public_checkpoint(self, model_id: str) -> bool:
+        row = self._one(
+            f"SELECT 1 FROM checkpoints c WHERE c.model_id=? AND {self._PUBLIC} AND {self._LIVE} LIMIT 1",
+            (model_id, time.time()),
+        )
+        return row is not None
+
+    def list_public_checkpoints(
+        self, model_id: str, limit: int, offset: int
+    ) -> tuple[list[CheckpointRow], int]:
+        where = f"c.model_id=? AND {self._PUBLIC} AND {self._LIVE}"
+        args = (model_id, time.time())
+        rows = self._all(
+            f"SELECT * FROM checkpoints c WHERE {where} ORDER BY c.created_at, c.tinker_path LIMIT ? OFFSET ?",
+            (*args, limit, offset),
+        )
+        total = self._one(f"SELECT COUNT(*) AS n FROM checkpoints c WHERE {where}", args)
+        return [self._checkpoint(r) for r in rows], int(total["n"]) if total else 0
+
+    def list_runs(
+        self,
+        tenant: str,
+        limit: int,
+        offset: int,
+        *,
+        accessible: bool = False,
+        project_id: str | None = None,
+    ) -> tuple[list[ModelRow], int]:
+        """The tenant's runs; `accessible` adds other tenants' runs with a published
+        checkpoint; `project_id` keeps those whose session is in that project."""
+        where = "m.tenant=?"
+        args: list[Any] = [tenant]
+        if accessible:
+            where = (
+                f"({where} OR EXISTS (SELECT 1 FROM checkpoints c WHERE c.model_id = m.model_id "
+                f"AND {self._PUBLIC} AND {self._LIVE}))"
+            )
+            args.append(time.time())
+        if project_id is not None:
+            where += f" AND {self._IN_PROJECT}"
+            args.append(project_id)
+        rows = self._all(
+            f"SELECT * FROM models m WHERE {where} ORDER BY m.created_at DESC, m.model_id LIMIT ? OFFSET ?",
+            (*args, limit, offset),
+        )
+        total = self._one(f"SELECT COUNT(*) AS n FROM models m WHERE {where}", tuple(args))
+        return [self._model(r) for r in rows], int(total["n"]) if total else 0
+
+    def list_sessions(self, tenant: str, limit: int, offset: int) -> tuple[list[SessionRow], int]:
+        """Newest first."""
+        rows = self._all(
+            "SELECT * FROM sessions WHERE tenant=? ORDER BY created_at DESC, session_id DESC "
+            "LIMIT ? OFFSET ?",
+            (tenant, limit, offset),
+        )
+        total = self._one("SELECT COUNT(*) AS n FROM sessions WHERE tenant=?", (tenant,))
+        return [self._session(r) for r in rows], int(total["n"]) if total else 0
+
+    def sessions_before(
+        self, tenant: str, before: tuple[float, str] | None, batch: int
+    ) -> list[SessionRow]:
+        """One batch of the tenant's sessions, newest first, strictly after the cursor
+        `(created_at, session_id)` in that order."""
+        if before is None:
+            rows = self._all(
+                "SELECT * FROM sessions WHERE tenant=? ORDER BY created_at DESC, session_id DESC LIMIT ?",
+                (tenant, batch),
+            )
+        else:
+            rows = self._all(
+                "SELECT * FROM sessions WHERE tenant=? AND (created_at < ? OR "
+                "(created_at = ? AND session_id < ?)) ORDER BY created_at DESC, session_id DESC LIMIT ?",
+                (tenant, before[0], before[0], before[1], batch),
+            )
+        return [self._session(r) for r in rows]
+
+    def set_session_info(self, session_id: str, info: dict[str, Any]) -> None:
+        self._run("UPDATE sessions SET info=? WHERE session_id=?", (_json(info), session_id))
+
+    def session_sampler_ids(self, session_id: str) -> list[str]:
+        rows = self._all(
+            "SELECT sampling_session_id FROM sampling_sessions WHERE session_id=? "
+            "ORDER BY created_at, sampling_session_id",
+            (session_id,),
+        )
+        return [r["sampling_session_id"] for r in rows]
+
+    def session_checkpoint_usage(self, session_id: str) -> tuple[int, int]:
+        """(count, bytes) of the live checkpoints of the session's runs."""
+        row = self._one(
+            "SELECT COUNT(*) AS n, COALESCE(SUM(c.size_bytes), 0) AS b FROM checkpoints c "
+            f"JOIN models m ON m.model_id = c.model_id WHERE m.session_id=? AND {self._LIVE}",
+            (session_id, time.time()),
+        )
+        return (int(row["n"]), int(row["b"])) if row else (0, 0)
+
+    def checkpoint_usage(
+        self, tenant: str, project_id: str | None
+    ) -> list[tuple[str | None, int, int]]:
+        """(project_id, count, bytes) of the tenant's live checkpoints, per project."""
+        where = f"c.tenant=? AND {self._LIVE}"
+        args: list[Any] = [tenant, time.time()]
+        if project_id is not None:
+            where += " AND json_extract(s.info, '$.project_id') = ?"
+            args.append(project_id)
+        rows = self._all(
+            "SELECT json_extract(s.info, '$.project_id') AS project, COUNT(*) AS n, "
+            "COALESCE(SUM(c.size_bytes), 0) AS b FROM checkpoints c "
+            "LEFT JOIN models m ON m.model_id = c.model_id "
+            "LEFT JOIN sessions s ON s.session_id = m.session_id "
+            f"WHERE {where} GROUP BY project ORDER BY project",
+            tuple(args),
+        )
+        return [(r["project"], int(r["n"]), int(r["b"])) for r in rows]
+
+    def find_copy(self, tenant: str, idempotency_key: str) -> CheckpointRow | None:
+        """The copy an earlier attempt of the same copy_weights call made, if any."""
+        row = self._one(
+            "SELECT * FROM checkpoints c WHERE c.tenant=? "
+            "AND json_extract(c.info, '$.copy_key') = ?",
+            (tenant, idempotency_key),
+        )
+        return None if row is None else self._checkpoint(row)
+
+    def scope_futures(self, scopes: list[str], limit: int) -> list[FutureRow]:
+        """The retained futures of the given scopes (models, sampling sessions), oldest first."""
+        if not scopes:
+            return []
+        marks = ", ".join("?" for _ in scopes)
+        rows = self._all(
+            f"SELECT * FROM futures WHERE scope IN ({marks}) ORDER BY created_at, request_id LIMIT ?",
+            (*scopes, limit),
+        )
+        return [self._future(r) for r in rows]
+
+    def set_checkpoint_info(self, tinker_path: str, info: dict[str, Any]) -> bool:
+        """Updates only `info` (a row deleted meanwhile stays deleted); False if there is none."""
+        return (
+            self._run(
+                "UPDATE checkpoints SET info=? WHERE tinker_path=?", (_json(info), tinker_path)
+            )
+            > 0
+        )
+
+    def last_public_checkpoint(self, model_id: str, kind: str) -> CheckpointRow | None:
+        row = self._one(
+            f"SELECT * FROM checkpoints c WHERE c.model_id=? AND c.kind=? AND {self._PUBLIC} "
+            f"AND {self._LIVE} ORDER BY c.created_at DESC LIMIT 1",
+            (model_id, kind, time.time()),
+        )
+        return None if row is None else self._checkpoint(row)

@@ -7,22 +7,23 @@ neighbours."""
 
 from __future__ import annotations
 
+from lorafleet.adapters.hparams import DimuonHParams, OptimHParams
 from lorafleet.interfaces import Trainer
 from lorafleet.server import faults, proto
 from lorafleet.server.errors import UserError
 from lorafleet.server.futures import Result
 from lorafleet.server.live_models import LiveModels
+from lorafleet.server.redact import exception_text
 from lorafleet.server.scheduler import Op
 from lorafleet.train.engine import PreparedItem, TrainItem
 from lorafleet.train.losses import merge_metrics
-from lorafleet.train.optim import AdamHParams
 
 Group = list[tuple[int, list[PreparedItem]]]
 """(index of the op, its prepared items), for the ops of one engine call."""
 
 
 def _user(exc: Exception, prefix: str = "") -> Result:
-    return Result.error(UserError(f"{prefix}{exc}"))
+    return Result.error(UserError(f"{prefix}{exception_text(exc)}"))
 
 
 def _every_result(results: list[Result | None]) -> list[Result]:
@@ -81,12 +82,24 @@ class TrainBatches:
 
     def optim_step(self, ops: list[Op]) -> list[Result]:
         results: list[Result | None] = [None] * len(ops)
-        by_slot: dict[int, tuple[int, AdamHParams]] = {}
+        by_slot: dict[int, tuple[int, OptimHParams]] = {}
         for i, op in enumerate(ops):
             try:
                 live = self.live.get(op.model_id)
             except UserError as exc:
                 results[i] = Result.error(exc)
+                continue
+            sent = "dimuon" if isinstance(op.payload, DimuonHParams) else "adamw"
+            if sent != live.optimizer:
+                # Tinker fixes a model's optimizer at creation; a step of the other family is
+                # refused alone, before the batch, so that its neighbours still step.
+                results[i] = Result.error(
+                    UserError(
+                        f"optim_step: model {op.model_id!r} was created with the {live.optimizer} "
+                        f"optimizer; send {'DimuonParams' if live.optimizer == 'dimuon' else 'AdamParams'}"
+                        f" (got {'DimuonParams' if sent == 'dimuon' else 'AdamParams'})"
+                    )
+                )
                 continue
             by_slot[live.slot] = (i, op.payload)
         if by_slot:

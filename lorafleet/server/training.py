@@ -6,13 +6,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from lorafleet.server import ids, proto, requests, schemas
+from lorafleet.server import external_weights, ids, proto, requests, schemas
 from lorafleet.server.auth import Tenant
 from lorafleet.server.errors import UserError
 from lorafleet.server.intake import Intake
 from lorafleet.server.ownership import Ownership
-from lorafleet.server.paths import parse_tinker_path
-from lorafleet.server.payloads import FromStateArgs, LoadArgs, SaveArgs, SaveSamplerArgs
+from lorafleet.server.paths import checkpoint_name, parse_tinker_path
+from lorafleet.server.payloads import (
+    FromStateArgs,
+    LoadArgs,
+    SaveArgs,
+    SaveExternalArgs,
+    SaveSamplerArgs,
+)
 from lorafleet.server.served import ServedBase
 
 
@@ -67,7 +73,7 @@ class Training:
             req.model_id,
             req.seq_id,
             "optim_step",
-            lambda: requests.adam_hparams(req.optim_params),
+            lambda: requests.optim_hparams(req.optim_params),
             requests.fingerprint(body),
         )
 
@@ -101,6 +107,22 @@ class Training:
             requests.fingerprint(same_request),
         )
 
+    def save_weights_external(self, tenant: Tenant, body: Any) -> dict[str, Any]:
+        """A PEFT export for download (external_weights.py), in the model's seq_id order like
+        any save; the recipients are checked here, before the engine writes anything."""
+        req = schemas.parse(schemas.SaveWeightsExternal, body)
+
+        def build() -> SaveExternalArgs:
+            return SaveExternalArgs(
+                checkpoint_name(req.path),
+                external_weights.parse_recipients(req.age_encryption_recipients),
+                requests.expires_at(req.ttl_seconds),
+            )
+
+        return self.intake.submit_for_model(
+            tenant, req.model_id, req.seq_id, "save_external", build, requests.fingerprint(body)
+        )
+
     def load_weights(self, tenant: Tenant, body: Any) -> dict[str, Any]:
         """Two requests share this route: create-from-state (session_id + model_seq_id) and the
         deprecated in-place load_state (model_id + seq_id)."""
@@ -108,14 +130,23 @@ class Training:
         fingerprint = requests.fingerprint(body)
         if req.session_id is not None and req.model_seq_id is not None:
             self.ownership.session(tenant, req.session_id)
-            checkpoint = self.ownership.checkpoint(tenant, parse_tinker_path(req.path))
+            checkpoint = self.ownership.readable_checkpoint(
+                tenant, parse_tinker_path(req.path), with_optimizer=req.optimizer
+            )
             if req.base_model is not None:
                 self.served.check(req.base_model)
             requests.check_optimizer_type(req.optimizer_config)
             model_id = ids.model_id(req.session_id, req.model_seq_id)
             self.intake.check_new_model(model_id)
             args = FromStateArgs(
-                req.session_id, req.base_model, checkpoint, req.optimizer, req.user_metadata
+                req.session_id,
+                req.base_model,
+                checkpoint,
+                req.optimizer,
+                req.user_metadata,
+                optimizer_family=None
+                if req.optimizer_config is None
+                else requests.optimizer_family(req.optimizer_config),
             )
             return self.intake.submit(
                 tenant,
@@ -130,9 +161,10 @@ class Training:
         if req.model_id is not None and req.seq_id is not None:
 
             def build() -> LoadArgs:
-                return LoadArgs(
-                    self.ownership.checkpoint(tenant, parse_tinker_path(req.path)), req.optimizer
+                checkpoint = self.ownership.readable_checkpoint(
+                    tenant, parse_tinker_path(req.path), with_optimizer=req.optimizer
                 )
+                return LoadArgs(checkpoint, req.optimizer)
 
             return self.intake.submit_for_model(
                 tenant, req.model_id, req.seq_id, "load_weights", build, fingerprint

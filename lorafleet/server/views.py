@@ -10,8 +10,9 @@ from typing import Any
 from lorafleet.server import schemas
 from lorafleet.server.errors import UserError
 from lorafleet.server.paths import parse_tinker_path
+from lorafleet.server.publication import is_public
 from lorafleet.server.served import ServedBase
-from lorafleet.server.store import CheckpointRow, ModelRow, SamplingSessionRow
+from lorafleet.server.store import CheckpointRow, ModelRow, SamplingSessionRow, SessionRow
 
 MAX_PAGE = 1000
 
@@ -36,6 +37,8 @@ def dynamic_config() -> dict[str, Any]:
 
 
 def capabilities(served: ServedBase) -> dict[str, Any]:
+    """`lorafleet_limits` is ours: the SDK ignores keys it does not know, and a client that
+    reads it can size its requests to what this server accepts."""
     return {
         "supported_models": [
             {
@@ -45,7 +48,8 @@ def capabilities(served: ServedBase) -> dict[str, Any]:
                 "sampleable": True,
             }
             for name in served.names
-        ]
+        ],
+        "lorafleet_limits": served.limits.as_dict(),
     }
 
 
@@ -63,7 +67,7 @@ def model_info(row: ModelRow, served: ServedBase) -> dict[str, Any]:
         "model_data": {
             "arch": served.arch,
             "model_name": row.base_model,
-            "tokenizer_id": str(served.base_path),
+            "tokenizer_id": served.tokenizer_id,
         },
         "is_lora": True,
         "lora_rank": row.lora_rank,
@@ -81,7 +85,7 @@ def checkpoint(row: CheckpointRow) -> dict[str, Any]:
         "time": _iso(row.created_at),
         "tinker_path": row.tinker_path,
         "size_bytes": row.size_bytes,
-        "public": False,
+        "public": is_public(row),
         "user_metadata": row.user_metadata,
         "expires_at": _iso(row.expires_at),
     }
@@ -136,3 +140,41 @@ def page(limit: int, offset: int) -> tuple[int, int]:
 
 def cursor(offset: int, limit: int, total: int) -> dict[str, int]:
     return {"offset": offset, "limit": limit, "total_count": total}
+
+
+# ------------------------------------------------------------------ sessions (RestClient)
+CLIENT_FINISH_REASONS = ("success", "errored", "interrupted")
+
+
+def session_status(row: SessionRow) -> dict[str, Any] | None:
+    """The SDK's SessionStatus; None (its "neither finished nor known to be running") for a
+    session the server finished because its heartbeats stopped."""
+    if row.finished_at is None:
+        return {"type": "active"}
+    if row.finish_reason in CLIENT_FINISH_REASONS:
+        return {"type": "client_finished", "reason": {"type": row.finish_reason}, "detail": None}
+    return None
+
+
+def session(row: SessionRow, training_run_ids: list[str], sampler_ids: list[str]) -> dict[str, Any]:
+    return {
+        "training_run_ids": training_run_ids,
+        "sampler_ids": sampler_ids,
+        "user_metadata": _str_dict(row.info.get("user_metadata")),
+        "display_name": row.info.get("display_name"),
+    }
+
+
+def session_summary(row: SessionRow, checkpoints: int, checkpoint_bytes: int) -> dict[str, Any]:
+    """A session without a project reports project_id "" (the SDK's field is a required string)."""
+    return {
+        "session_id": row.session_id,
+        "created_at": _iso(row.created_at),
+        "owner": row.tenant,
+        "project_id": row.info.get("project_id") or "",
+        "status": session_status(row),
+        "checkpoints_count": checkpoints,
+        "display_name": row.info.get("display_name"),
+        "user_metadata": _str_dict(row.info.get("user_metadata")),
+        "checkpoint_storage_bytes": checkpoint_bytes,
+    }

@@ -24,23 +24,34 @@ components from a strict alphabet (no '/', no leading '.', no '..'); regular fil
 the directory is written under a private temp name (0700, files 0600, fsynced) and renamed
 into place only after the trailer checks out, so the engine never sees a partial upload;
 an existing name is never overwritten (versions are immutable): 409. `DELETE` removes one.
+
+Hostile or broken clients (see `Limits`): connections are capped (the next one gets a 503 at
+once, without a thread), each has a deadline for its headers and one for its body that a reaper
+thread enforces, header lines are flat JSON objects (nesting is a 400, never a parser crash),
+and the temp directories of uploads a killed receiver never finished are removed at start-up
+(one receiver per root, held by a lock on the directory).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import hashlib
 import hmac
 import json
+import math
 import os
 import re
 import secrets
 import shutil
 import socket
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Iterator
+from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -55,6 +66,10 @@ _HEADER_MAX = 4096
 _CHUNK = 1 << 20
 _LINGER_S = 2.0
 _LINGER_BYTES = 64 << 20
+DEFAULT_MAX_CONNECTIONS = 32
+INCOMING_SUFFIX = ".incoming"
+_REAP_INTERVAL_S = 0.25
+_CLOSE_WAIT_S = 5.0
 
 DIR_NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._@-]{0,127}")
 FILE_NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
@@ -158,7 +173,15 @@ class _Body:
     def read(self, n: int, *, hashed: bool = True) -> bytes:
         if n > self.left:
             raise StagingError("upload is shorter than its own headers say")
-        data = self.stream.read(n)
+        try:
+            data = self.stream.read(n)
+        except TimeoutError:
+            raise StagingError(
+                "the upload stalled (no data within the receiver's idle timeout)",
+                HTTPStatus.REQUEST_TIMEOUT,
+            ) from None
+        except OSError as exc:
+            raise StagingError(f"the connection failed during the upload: {exc.strerror}") from None
         if len(data) != n:
             raise StagingError("connection closed before the upload was complete")
         self.left -= n
@@ -176,12 +199,30 @@ class _Body:
         return bytes(buf)
 
 
+def _header(raw: bytes) -> dict[str, Any]:
+    """A header or trailer line: one flat JSON object. Nesting is refused before parsing, since
+    the parser recurses once per level and a line of brackets would exhaust the stack."""
+    if raw.count(b"{") > 1 or b"[" in raw:
+        raise StagingError("header line must be a flat JSON object (no nesting)")
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise StagingError(f"bad header line: {exc}") from None
+    if not isinstance(header, dict):
+        raise StagingError("header line must be a JSON object")
+    return header
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _incoming_name(name: str) -> str:
+    return f".{name}.{secrets.token_hex(6)}{INCOMING_SUFFIX}"
 
 
 def receive(root: Path, name: str, stream: Any, length: int) -> dict[str, Any]:
@@ -195,18 +236,13 @@ def receive(root: Path, name: str, stream: Any, length: int) -> dict[str, Any]:
     body = _Body(stream, length)
     if body.read(len(MAGIC)) != MAGIC:
         raise StagingError("not a lorafleet staging upload (bad magic)")
-    tmp = Path(os.path.realpath(root)) / f".{name}.{secrets.token_hex(6)}.incoming"
+    tmp = Path(os.path.realpath(root)) / _incoming_name(name)
     tmp.mkdir(mode=0o700)
     try:
         names: list[str] = []
         while True:
             raw = body.line()
-            try:
-                header = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise StagingError(f"bad header line: {exc}") from exc
-            if not isinstance(header, dict):
-                raise StagingError("header line must be a JSON object")
+            header = _header(raw)
             if header.get("end") is True:
                 if (
                     header.get("files") != len(names)
@@ -260,11 +296,73 @@ def remove(root: Path, name: str) -> dict[str, Any]:
     return {"removed": existed, "name": name}
 
 
+def sweep_incoming(root: Path) -> list[str]:
+    """Removes the temp directories of uploads a previous receiver never finished (killed
+    mid-body: its own cleanup never ran); returns their names. Only the receiver holding the
+    root's lock calls this, so no upload in flight is touched."""
+    removed = []
+    for entry in sorted(root.iterdir()):
+        if entry.name.startswith(".") and entry.name.endswith(INCOMING_SUFFIX):
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+            removed.append(entry.name)
+    if removed:
+        _fsync_dir(root)
+    return removed
+
+
+@dataclass(frozen=True)
+class Limits:
+    """How long and how many connections the receiver gives its clients.
+
+    Each connection holds a thread, so the number of them is capped and every one has a
+    deadline that a reaper thread enforces by shutting the socket: the request line and
+    headers must arrive within `header_timeout_s` (also the idle time allowed between
+    keep-alive requests), and a body within `body_grace_s` plus its length at
+    `min_body_bytes_per_s`. `idle_timeout_s` is the socket timeout for any one read. A client
+    past the cap gets an immediate 503 from the accepting thread."""
+
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    header_timeout_s: float = 10.0
+    idle_timeout_s: float = 30.0
+    body_grace_s: float = 30.0
+    min_body_bytes_per_s: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+        for field in ("header_timeout_s", "idle_timeout_s", "body_grace_s"):
+            value = getattr(self, field)
+            if not value > 0:
+                raise ValueError(f"{field} must be > 0, got {value}")
+        if self.min_body_bytes_per_s < 1:
+            raise ValueError(f"min_body_bytes_per_s must be >= 1, got {self.min_body_bytes_per_s}")
+
+    def body_deadline(self, length: int) -> float:
+        return time.monotonic() + self.body_grace_s + length / self.min_body_bytes_per_s
+
+
+_BUSY_BODY = b'{"error": "too many connections to the staging receiver"}'
+_BUSY_REPLY = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+    b"Retry-After: 1\r\nConnection: close\r\n"
+    + f"Content-Length: {len(_BUSY_BODY)}\r\n\r\n".encode()
+    + _BUSY_BODY
+)
+
+
 class StagingServer(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(
-        self, address: tuple[str, int], root: Path, token: str, max_bytes: int = DEFAULT_MAX_BYTES
+        self,
+        address: tuple[str, int],
+        root: Path,
+        token: str,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        limits: Limits | None = None,
     ):
         if len(token) < MIN_TOKEN_CHARS:
             raise ValueError(f"the staging token must have at least {MIN_TOKEN_CHARS} characters")
@@ -273,9 +371,27 @@ class StagingServer(ThreadingHTTPServer):
         if not root.is_dir() or root.is_symlink():
             raise ValueError(f"staging root {root} must be a real directory")
         self.root = root.resolve()
+        self._lock_fd = _lock_root(self.root)
         self.token = token.encode()
         self.max_bytes = max_bytes
-        super().__init__(address, _Handler)
+        self.limits = limits or Limits()
+        self.swept = sweep_incoming(self.root)
+        self.refused_connections = 0  # over the cap: answered 503 at once
+        self.reaped_connections = 0  # past their deadline: shut by the reaper
+        self.lost_replies = 0  # the client was gone before its reply was written
+        self._deadlines: dict[socket.socket, float] = {}
+        self._conn_lock = threading.Lock()
+        self._closing = threading.Event()
+        self.reaper_error: BaseException | None = None
+        try:
+            super().__init__(address, _Handler)
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
+        self._reaper = threading.Thread(
+            target=self._reap_forever, name="lorafleet-staging-reaper", daemon=True
+        )
+        self._reaper.start()
 
     @property
     def url(self) -> str:
@@ -283,10 +399,125 @@ class StagingServer(ThreadingHTTPServer):
         assert isinstance(host, str)  # an AF_INET address is (str, int)
         return f"http://{host}:{port}"
 
+    @property
+    def open_connections(self) -> int:
+        with self._conn_lock:
+            return len(self._deadlines)
+
+    # -- connections: a capped set, each with a deadline
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._conn_lock:
+            full = len(self._deadlines) >= self.limits.max_connections
+            if not full and self._reaper.is_alive():
+                self._deadlines[request] = time.monotonic() + self.limits.header_timeout_s
+                admitted = True
+            else:
+                admitted = False
+        if not admitted:
+            self.refused_connections += 1
+            self._refuse(request)
+            return
+        super().process_request(request, client_address)
+
+    def _refuse(self, request: socket.socket) -> None:
+        """A 503 without reading the request: the send is one small write into an empty socket
+        buffer, so the accepting thread never waits on the client."""
+        try:
+            request.setblocking(False)
+            request.send(_BUSY_REPLY)
+        except OSError:
+            self.lost_replies += 1
+        self.shutdown_request(request)
+
+    def set_deadline(self, request: socket.socket, deadline: float) -> None:
+        with self._conn_lock:
+            if request in self._deadlines:
+                self._deadlines[request] = deadline
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._conn_lock:
+            self._deadlines.pop(request, None)
+        super().shutdown_request(request)
+
+    def _reap_forever(self) -> None:
+        """Shuts the sockets of connections past their deadline; the blocked read in their
+        thread then returns and the thread ends (and an upload in flight is cleaned up)."""
+        try:
+            while not self._closing.wait(_REAP_INTERVAL_S):
+                now = time.monotonic()
+                with self._conn_lock:
+                    late = [s for s, deadline in self._deadlines.items() if deadline <= now]
+                    for sock in late:
+                        self._deadlines[sock] = math.inf  # shut once; removed when its thread ends
+                for sock in late:
+                    self.reaped_connections += 1
+                    _shut(sock)
+        except BaseException as exc:
+            # new connections are refused from now on (process_request checks the reaper)
+            self.reaper_error = exc
+            sys.stderr.write(
+                f"lorafleet staging receiver: the reaper thread died:\n{traceback.format_exc()}"
+            )
+            raise
+
+    def server_close(self) -> None:
+        """Stops the reaper and shuts every open connection, so that uploads in flight end (and
+        remove their temp directories) before the root's lock is released."""
+        self._closing.set()
+        self._reaper.join(timeout=5)
+        with self._conn_lock:
+            open_now = list(self._deadlines)
+        for sock in open_now:
+            _shut(sock)
+        deadline = time.monotonic() + _CLOSE_WAIT_S
+        while self.open_connections and time.monotonic() < deadline:
+            time.sleep(0.01)
+        super().server_close()
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+
+def _shut(sock: socket.socket) -> None:
+    """Both directions of a connection that must end; one already closed needs nothing."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+
+
+def _lock_root(root: Path) -> int:
+    """An exclusive lock on the root directory for this receiver's life: the start-up sweep
+    removes unfinished uploads, which is only safe if no other receiver is writing there."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ValueError(f"staging root {root} is already served by another receiver") from None
+    return fd
+
 
 class _Handler(BaseHTTPRequestHandler):
     server: StagingServer
     protocol_version = "HTTP/1.1"
+
+    def setup(self) -> None:
+        super().setup()
+        self.connection.settimeout(self.server.limits.idle_timeout_s)
+
+    def handle(self) -> None:
+        try:
+            super().handle()
+        except (BrokenPipeError, ConnectionResetError):
+            # the client hung up or was reaped mid-request: counted, nobody left to answer
+            self.server.lost_replies += 1
+
+    def handle_one_request(self) -> None:
+        """Each request (a keep-alive connection's next one too) gets the header deadline."""
+        self.server.set_deadline(
+            self.connection, time.monotonic() + self.server.limits.header_timeout_s
+        )
+        super().handle_one_request()
 
     def log_message(self, format: str, *args: Any) -> None:  # stdlib signature
         if os.environ.get("LORAFLEET_STAGING_VERBOSE"):
@@ -294,13 +525,19 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _reply(self, status: int, body: dict[str, Any], *, unread_body: bool = False) -> None:
         data = (json.dumps(body) + "\n").encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        if unread_body:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        self.wfile.write(data)
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            if unread_body:
+                self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(data)
+        except OSError:
+            # the client hung up or was reaped; nobody is left to tell
+            self.server.lost_replies += 1
+            self.close_connection = True
+            return
         if unread_body:
             self._linger()
 
@@ -343,6 +580,16 @@ class _Handler(BaseHTTPRequestHandler):
             return None
         return self.path[len(ROUTE) :]
 
+    def _crashed(self, what: str) -> None:
+        """An error this receiver did not foresee: logged with its traceback, and answered, so
+        the client is not left with a closed connection and no reason."""
+        sys.stderr.write(f"lorafleet staging receiver: {what} failed:\n{traceback.format_exc()}")
+        self._reply(
+            HTTPStatus.INTERNAL_SERVER_ERROR,
+            {"error": f"internal error in the staging receiver during {what}"},
+            unread_body=True,
+        )
+
     def do_GET(self) -> None:  # stdlib naming
         if self.path == "/healthz":
             self._reply(HTTPStatus.OK, {"ok": True})
@@ -358,6 +605,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.close_connection = True  # an aborted body leaves the stream unusable
         try:
             length = self._content_length()
+            self.server.set_deadline(self.connection, self.server.limits.body_deadline(length))
             reply = receive(self.server.root, name, self.rfile, length)
         except StagingError as exc:
             self._reply(exc.status, {"error": str(exc)}, unread_body=True)
@@ -365,9 +613,12 @@ class _Handler(BaseHTTPRequestHandler):
         except OSError as exc:
             self._reply(
                 HTTPStatus.INSUFFICIENT_STORAGE,
-                {"error": f"could not write the upload: {exc}"},
+                {"error": f"could not write the upload: {exc.strerror}"},
                 unread_body=True,
             )
+            return
+        except Exception:  # noqa: BLE001 - logged with its traceback and answered as a 500
+            self._crashed(f"PUT {name!r}")
             return
         self._reply(HTTPStatus.CREATED, reply)
 
@@ -396,14 +647,26 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(HTTPStatus.OK, remove(self.server.root, name))
         except StagingError as exc:
             self._reply(exc.status, {"error": str(exc)})
+        except OSError as exc:
+            self._reply(
+                HTTPStatus.INTERNAL_SERVER_ERROR,
+                {"error": f"could not remove {name!r}: {exc.strerror}"},
+            )
+        except Exception:  # noqa: BLE001 - logged with its traceback and answered as a 500
+            self._crashed(f"DELETE {name!r}")
 
 
 @contextlib.contextmanager
 def serve_in_thread(
-    root: Path, token: str, host: str = "127.0.0.1", port: int = 0
+    root: Path,
+    token: str,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    limits: Limits | None = None,
 ) -> Iterator[StagingServer]:
     """A receiver on a background thread (tests, benchmarks, single-host setups)."""
-    server = StagingServer((host, port), root, token)
+    server = StagingServer((host, port), root, token, limits=limits)
     thread = threading.Thread(target=server.serve_forever, name="lorafleet-staging", daemon=True)
     thread.start()
     try:
@@ -437,10 +700,22 @@ def main(argv: list[str] | None = None) -> None:
         "--token-file", default=None, help=f"file holding the bearer token (default: ${TOKEN_ENV})"
     )
     parser.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES)
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help="connections served at once; more are answered 503",
+    )
     args = parser.parse_args(argv)
     server = StagingServer(
-        (args.host, args.port), Path(args.root), _read_token(args.token_file), args.max_bytes
+        (args.host, args.port),
+        Path(args.root),
+        _read_token(args.token_file),
+        args.max_bytes,
+        Limits(max_connections=args.max_connections),
     )
+    if server.swept:
+        print(f"removed {len(server.swept)} unfinished upload(s): {server.swept}", flush=True)
     print(f"lorafleet staging receiver on {server.url}, root {server.root}", flush=True)
     try:
         server.serve_forever()

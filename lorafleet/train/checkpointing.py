@@ -1,9 +1,9 @@
-"""A trainer slot and its AdamW state <-> the checkpoint format of `lorafleet.adapters`.
+"""A trainer slot and its optimizer state <-> the checkpoint format of `lorafleet.adapters`.
 
 The format is plain data (`adapters/checkpoint.py`); this module is the optimizer's side of
-it: the moments of one `BankAdamW` slot become per-layer tensors on save, and go back into a
-slot's optimizer state on restore, bit-exact. It lives in `train/` so that `adapters/` never
-imports the trainer.
+it: the moments of one `BankAdamW` or `BankDimuon` slot become per-layer tensors on save, and
+go back into a slot's optimizer state of the same family on restore, bit-exact. It lives in
+`train/` so that `adapters/` never imports the trainer.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from lorafleet.adapters.checkpoint import (
-    MOMENTS,
+    OPTIMIZER_MOMENTS,
     CheckpointError,
     LayerTensors,
     TrainingState,
@@ -25,15 +25,30 @@ from lorafleet.adapters.checkpoint import (
     split_row_exact,
     write_training_state,
 )
-from lorafleet.adapters.hparams import AdamHParams
+from lorafleet.adapters.hparams import DimuonHParams, OptimHParams
 from lorafleet.fsio import PathLike
 from lorafleet.model.banks import BankSet
+from lorafleet.train.dimuon import BankDimuon
 from lorafleet.train.optim import BankAdamW
 
-__all__ = ["apply_training_state", "restore_training_state", "save_training_state"]
+BankOptimizer = BankAdamW | BankDimuon
 
 
-def _check_optimizer(bank: BankSet, optimizer: BankAdamW | None) -> None:
+def optimizer_family(optimizer: BankOptimizer) -> str:
+    """The checkpoint's name (`adapters.hparams.OPTIMIZERS`) of a bank optimizer's family."""
+    return "dimuon" if isinstance(optimizer, BankDimuon) else "adamw"
+
+
+__all__ = [
+    "BankOptimizer",
+    "apply_training_state",
+    "optimizer_family",
+    "restore_training_state",
+    "save_training_state",
+]
+
+
+def _check_optimizer(bank: BankSet, optimizer: BankOptimizer | None) -> None:
     if optimizer is None:
         return
     if optimizer.params.data_ptr() != bank.params.data_ptr() or tuple(
@@ -49,13 +64,13 @@ def save_training_state(
     *,
     bank: BankSet,
     slot: int,
-    optimizer: BankAdamW | None,
+    optimizer: BankOptimizer | None,
     base_model_id: str,
-    hparams: AdamHParams | None,
+    hparams: OptimHParams | None,
     metadata: dict[str, Any] | None = None,
     overwrite: bool = False,
 ) -> Path:
-    """Writes the adapter in `slot` (and its AdamW state, if `optimizer` is given) to `dest`.
+    """Writes the adapter in `slot` (and its optimizer state, if `optimizer` is given) to `dest`.
 
     A gradient accumulated but not yet stepped is not saved: checkpoints are taken between
     optimizer steps, and a restored slot starts with no pending gradient.
@@ -66,12 +81,13 @@ def save_training_state(
     weights = split_row_exact(bank, bank.params[slot], rank, targets, f"slot {slot} weights")
     moments: dict[str, LayerTensors] | None = None
     step: int | None = None
+    family = "adamw" if optimizer is None else optimizer_family(optimizer)
     if optimizer is not None:
         state = optimizer.slot_state(slot)
         step = int(state["step"])
         moments = {
             name: split_row_exact(bank, state[name], rank, targets, f"slot {slot} optimizer {name}")
-            for name in MOMENTS
+            for name in OPTIMIZER_MOMENTS[family]
         }
     return write_training_state(
         dest,
@@ -83,14 +99,20 @@ def save_training_state(
         hparams=hparams,
         metadata=metadata,
         overwrite=overwrite,
+        optimizer=family if optimizer is not None else _hparams_family(hparams),
     )
+
+
+def _hparams_family(hparams: OptimHParams | None) -> str:
+    """Without optimizer state, the recorded hyper-parameters still name the family."""
+    return "dimuon" if isinstance(hparams, DimuonHParams) else "adamw"
 
 
 def restore_training_state(
     src: PathLike,
     *,
     bank: BankSet,
-    optimizer: BankAdamW | None,
+    optimizer: BankOptimizer | None,
     base_model_id: str,
     slot: int | None = None,
     load_optimizer: bool = True,
@@ -118,7 +140,7 @@ def apply_training_state(
     src: PathLike,
     *,
     bank: BankSet,
-    optimizer: BankAdamW | None,
+    optimizer: BankOptimizer | None,
     base_model_id: str,
     slot: int | None = None,
     load_optimizer: bool = True,
@@ -136,8 +158,15 @@ def apply_training_state(
     slot_state: dict[str, torch.Tensor] | None = None
     if load_optimizer and state.moments is not None:
         assert state.step is not None
+        family = optimizer_family(optimizer)
+        if state.optimizer != family:
+            raise CheckpointError(
+                f"{src}: checkpoint holds {state.optimizer} optimizer state, but it is being "
+                f"restored under the {family} optimizer; an adapter's optimizer is fixed"
+            )
         slot_state = {
-            name: bank.join_row(state.moments[name], spec.rank, spec.targets) for name in MOMENTS
+            name: bank.join_row(state.moments[name], spec.rank, spec.targets)
+            for name in OPTIMIZER_MOMENTS[family]
         }
         slot_state["step"] = torch.tensor(state.step, dtype=torch.int64)
 

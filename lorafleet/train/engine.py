@@ -27,12 +27,14 @@ import torch
 from torch import nn
 
 from lorafleet.adapters.checkpoint import TrainingState, read_training_state
+from lorafleet.adapters.hparams import OPTIMIZERS, DimuonHParams, OptimHParams
 from lorafleet.adapters.peft_io import export_peft, import_peft
 from lorafleet.model.adapted import AdaptedModel
 from lorafleet.model.banks import AdapterSpec, BankSet
 from lorafleet.model.routing import Routing
 from lorafleet.train.canary_probe import trainer_canary_logprobs
-from lorafleet.train.checkpointing import apply_training_state, save_training_state
+from lorafleet.train.checkpointing import BankOptimizer, apply_training_state, save_training_state
+from lorafleet.train.dimuon import BankDimuon
 from lorafleet.train.items import ItemLimits, PreparedItem, TrainInputError, TrainItem
 from lorafleet.train.layout import Layout, Unit, build_layout, find_groups, plan_units, singles
 from lorafleet.train.loss_inputs import loss_targets
@@ -64,7 +66,11 @@ class BatchOutput:
 
 
 class TrainEngine:
-    """Mixed-adapter forward/backward and per-adapter AdamW over one bank set."""
+    """Mixed-adapter forward/backward and a per-adapter optimizer over one bank set.
+
+    Each adapter's optimizer family (AdamW or Dimuon) is fixed when it is created, as in
+    Tinker; the Dimuon state (one momentum row per slot) is only allocated once an adapter
+    asks for it."""
 
     def __init__(
         self,
@@ -98,7 +104,9 @@ class TrainEngine:
             if self.bank.grads is None:  # not `trainable`
                 raise ValueError(f"bank {bank!r} is inference-only; create it with trainable=True")
             self.optimizer = BankAdamW(self.bank.params, self.bank.grads)
-        self.hparams: dict[int, AdamHParams] = {}
+        self.dimuon: BankDimuon | None = None
+        self.families: dict[int, str] = {}  # slot -> its optimizer family (absent: adamw)
+        self.hparams: dict[int, OptimHParams] = {}
         # Sharded (FSDP) training: each rank runs its share of a micro-batch, and every rank must
         # take the same branch (backward, or raise) or the others wait forever in a collective
         # (a sharded base also keeps the plain path, one forward per micro-batch on every rank).
@@ -106,17 +114,44 @@ class TrainEngine:
         self.all_ranks_ok: Callable[[bool], bool] | None = None
 
     # ---------------------------------------------------------------- adapters
-    def create_adapter(self, spec: AdapterSpec, slot: int | None = None) -> int:
+    def create_adapter(
+        self, spec: AdapterSpec, slot: int | None = None, *, optimizer: str = "adamw"
+    ) -> int:
+        bank_optimizer = self._family_optimizer(optimizer)  # refuses before claiming a slot
         slot = self.bank.allocate(spec, slot)
-        if self.optimizer is not None:
-            self.optimizer.reset_slot(slot)
+        if bank_optimizer is not None:
+            bank_optimizer.reset_slot(slot)
+        self.families[slot] = optimizer
         return slot
 
     def free_adapter(self, slot: int) -> None:
         self.bank.free(slot)
-        if self.optimizer is not None:
-            self.optimizer.reset_slot(slot)
+        for bank_optimizer in (self.optimizer, self.dimuon):
+            if bank_optimizer is not None:
+                bank_optimizer.reset_slot(slot)
         self.hparams.pop(slot, None)
+        self.families.pop(slot, None)
+
+    def optimizer_family(self, slot: int) -> str:
+        """The optimizer family (`adapters.hparams.OPTIMIZERS`) the adapter in `slot` uses."""
+        self.bank.check_slot(slot)
+        return self.families.get(slot, "adamw")
+
+    def _family_optimizer(self, family: str) -> BankOptimizer | None:
+        """The bank optimizer of `family` (created on first use), None for an inference-only
+        engine; ValueError for an unknown family."""
+        if family not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {family!r}; known: {', '.join(OPTIMIZERS)}")
+        if self.optimizer is None or family == "adamw":
+            return self.optimizer
+        if self.dimuon is None:
+            self.dimuon = BankDimuon(self.optimizer.params, self.optimizer.grads, self._matrices)
+        return self.dimuon
+
+    def _matrices(self, slot: int, row: torch.Tensor) -> tuple[int, list[torch.Tensor]]:
+        info = self.bank.check_slot(slot)
+        views = self.bank.split_row(row, info.spec.rank, info.targets)
+        return info.spec.rank, [m for pair in views.values() for m in pair]
 
     # ---------------------------------------------------------------- validation
     def prepare(
@@ -178,7 +213,9 @@ class TrainEngine:
             raise
         distinct = tuple(sorted(set(slots)))
         if backward and self.optimizer is not None:
-            self.optimizer.note_gradient(distinct)
+            self.optimizer.note_gradient(s for s in distinct if self.families.get(s) != "dimuon")
+            if self.dimuon is not None:
+                self.dimuon.note_gradient(s for s in distinct if self.families.get(s) == "dimuon")
         finished = [outputs[i] for i in range(len(prepared))]
         return BatchOutput(
             items=finished,
@@ -328,15 +365,41 @@ class TrainEngine:
         return torch.log_softmax(logits.float(), dim=-1)
 
     # ---------------------------------------------------------------- optimizer
-    def optim_step(self, hparams: Mapping[int, AdamHParams]) -> dict[int, dict[str, float]]:
-        """One BankAdamW call for every slot in `hparams` (each with its own hyper-parameters)."""
+    def optim_step(self, hparams: Mapping[int, OptimHParams]) -> dict[int, dict[str, float]]:
+        """One call per optimizer family for every slot in `hparams` (each with its own
+        hyper-parameters, of the family the slot was created with). Everything is checked
+        before either family steps, so a refused call moves nothing."""
         if self.optimizer is None:
             raise ValueError("this engine has no optimizer (inference only)")
-        for slot in hparams:
+        adam: dict[int, AdamHParams] = {}
+        dimuon: dict[int, DimuonHParams] = {}
+        for slot, hp in hparams.items():
             self.bank.check_slot(slot)
-        metrics = self.optimizer.step(hparams)
+            family = self.families.get(slot, "adamw")
+            if family == "dimuon" and isinstance(hp, DimuonHParams):
+                dimuon[slot] = hp
+            elif family == "adamw" and isinstance(hp, AdamHParams):
+                adam[slot] = hp
+            else:
+                raise ValueError(
+                    f"the adapter in slot {slot} uses the {family} optimizer, fixed when it was "
+                    f"created; its optim_step got {type(hp).__name__} (send "
+                    f"{'DimuonParams' if family == 'dimuon' else 'AdamParams'})"
+                )
+            try:
+                hp.validate()
+            except ValueError as exc:
+                raise ValueError(f"slot {slot}: {exc}") from None
+        metrics = self.optimizer.step(adam) if adam else {}
+        if dimuon:
+            metrics.update(self._dimuon().step(dimuon))
         self.hparams.update(hparams)
         return metrics
+
+    def _dimuon(self) -> BankDimuon:
+        dimuon = self._family_optimizer("dimuon")
+        assert isinstance(dimuon, BankDimuon)
+        return dimuon
 
     # ---------------------------------------------------------------- state files
     def save_state(
@@ -346,7 +409,7 @@ class TrainEngine:
             Path(dest),
             bank=self.bank,
             slot=slot,
-            optimizer=self.optimizer,
+            optimizer=self._family_optimizer(self.families.get(slot, "adamw")),
             base_model_id=self.base_model_id,
             hparams=self.hparams.get(slot),
             metadata=metadata,
@@ -360,23 +423,30 @@ class TrainEngine:
         slot: int | None = None,
         with_optimizer: bool = True,
         source: str | Path | None = None,
+        optimizer: str | None = None,
     ) -> int:
         """Restores a training checkpoint (a directory, or one already read with
-        `read_training_state`, then `source` names it in errors) into a slot."""
+        `read_training_state`, then `source` names it in errors) into a slot.
+
+        `optimizer` is the restored adapter's optimizer family; None takes the checkpoint's
+        (the family it was trained with). Restoring optimizer state of another family than
+        `optimizer` is refused (CheckpointError)."""
         if isinstance(src, TrainingState):
             state, where = src, Path(source or "<checkpoint>")
         else:
             state, where = read_training_state(Path(src)), Path(src)
+        family = state.optimizer if optimizer is None else optimizer
         slot = apply_training_state(
             state,
             where,
             bank=self.bank,
-            optimizer=self.optimizer,
+            optimizer=self._family_optimizer(family),
             base_model_id=self.base_model_id,
             slot=slot,
             load_optimizer=with_optimizer,
         )
-        if state.hparams is not None:
+        self.families[slot] = family
+        if state.hparams is not None and state.optimizer == family:
             self.hparams[slot] = state.hparams
         return slot
 
@@ -393,6 +463,7 @@ class TrainEngine:
         slot = import_peft(self.bank, Path(src), slot=slot, seed=seed)
         if self.optimizer is not None:
             self.optimizer.reset_slot(slot)
+        self.families[slot] = "adamw"
         return slot
 
 

@@ -6,7 +6,9 @@ filled in. Doing every check up front is what lets the engine promise that a rej
 changed no state, and lets the loss math (losses.py) assume a valid spec. Every message names
 the offending field and the value or position, so a client can fix its request.
 
-``clip_low_threshold``/``clip_high_threshold`` (ppo, cispo) come from ``loss_fn_config``
+``weights`` (cross_entropy) default to ones over the targets (``[T]`` or ``[T, K]``): the SDK's
+own docstring example sends none.  ``clip_low_threshold``/``clip_high_threshold`` (ppo, cispo,
+gspo) come from ``loss_fn_config``
 (defaults 0.8/1.2, thresholds on the ratio itself, not epsilons), or per token from
 ``loss_fn_inputs`` keys of the same names, which override the config value.  ``beta`` (dro)
 defaults to 0.05 (the value Tinker's docs use) because the cookbook's DRO recipe may omit it
@@ -29,6 +31,8 @@ __all__ = [
     "LOSS_CONFIG_DEFAULTS",
     "LOSS_INPUT_KEYS",
     "LOSS_NAMES",
+    "REFUSED_LOSSES",
+    "SEQUENCE_RATIO_MASK",
     "TARGETS",
     "LossInputError",
     "LossSpec",
@@ -37,13 +41,37 @@ __all__ = [
     "validate_loss",
 ]
 
-LOSS_NAMES: tuple[str, ...] = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
+LOSS_NAMES: tuple[str, ...] = (
+    "cross_entropy",
+    "importance_sampling",
+    "ppo",
+    "cispo",
+    "dro",
+    "gspo",
+)
 
 TARGETS = "target_tokens"
 CLIP_LOW = "clip_low_threshold"
 CLIP_HIGH = "clip_high_threshold"
+SEQUENCE_RATIO_MASK = "sequence_ratio_mask"
 _RL_REQUIRED = (TARGETS, "logprobs", "advantages")
 _CLIP_DEFAULTS = MappingProxyType({CLIP_LOW: 0.8, CLIP_HIGH: 1.2})
+
+REFUSED_LOSSES: Mapping[str, str] = MappingProxyType(
+    {
+        "stable_reinforce": (
+            "it needs sampling-time stability records (record_stability_info) and an objective "
+            "that neither SDK 0.38 nor Tinker's docs define, so this server cannot compute it; "
+            "use importance_sampling, ppo, cispo or gspo"
+        ),
+        "custom": (
+            "server-side custom losses need a graph uploaded with create_custom_loss, which this "
+            "server does not offer; run the loss on the client with forward_backward_custom "
+            "(a plain callable), which this server supports"
+        ),
+    }
+)
+"""Loss names SDK 0.38 can send that this server refuses, with the reason given to the client."""
 
 
 @dataclass(frozen=True)
@@ -51,15 +79,19 @@ class _Schema:
     required: tuple[str, ...]
     optional: tuple[str, ...]
     config_defaults: Mapping[str, float]
+    ones_if_missing: tuple[str, ...] = ()  # optional inputs that default to all-ones
 
 
 _SCHEMAS: Mapping[str, _Schema] = MappingProxyType(
     {
-        "cross_entropy": _Schema((TARGETS, "weights"), (), MappingProxyType({})),
+        "cross_entropy": _Schema((TARGETS,), ("weights",), MappingProxyType({}), ("weights",)),
         "importance_sampling": _Schema(_RL_REQUIRED, (), MappingProxyType({})),
         "ppo": _Schema(_RL_REQUIRED, (CLIP_LOW, CLIP_HIGH), _CLIP_DEFAULTS),
         "cispo": _Schema(_RL_REQUIRED, (CLIP_LOW, CLIP_HIGH), _CLIP_DEFAULTS),
         "dro": _Schema(_RL_REQUIRED, (), MappingProxyType({"beta": 0.05})),
+        "gspo": _Schema(
+            (*_RL_REQUIRED, SEQUENCE_RATIO_MASK), (CLIP_LOW, CLIP_HIGH), _CLIP_DEFAULTS
+        ),
     }
 )
 
@@ -266,6 +298,11 @@ def validate_loss(
     fail = _Fail(where)
     schema = _SCHEMAS.get(name)
     if schema is None:
+        if name in REFUSED_LOSSES:
+            raise fail(
+                f"loss_fn {name!r} is not supported by this server: {REFUSED_LOSSES[name]} "
+                f"(supported: {', '.join(LOSS_NAMES)})"
+            )
         raise fail(f"unknown loss_fn {name!r}; known: {', '.join(LOSS_NAMES)}")
     if vocab_size < 1:
         raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
@@ -276,6 +313,12 @@ def validate_loss(
     resolved = _resolve_config(name, schema, config, fail)
     if CLIP_LOW in resolved:
         _check_clip_order(checked, resolved, fail)
+    if SEQUENCE_RATIO_MASK in checked and not bool((checked[SEQUENCE_RATIO_MASK] != 0).any()):
+        # The sequence ratio is a mean over the marked tokens: over none it is undefined.
+        raise fail(
+            f"loss_fn_inputs[{SEQUENCE_RATIO_MASK!r}] marks no token (all zero); loss {name!r} "
+            "averages the log-ratio over the marked tokens, so at least one must be nonzero"
+        )
     if device is not None:
         checked = {key: t.to(device) for key, t in checked.items()}
     return LossSpec(name=name, inputs=checked, config=resolved)
@@ -319,6 +362,9 @@ def _check_inputs(
             continue
         raw = _read_tensor(inputs[key], f"loss_fn_inputs[{key!r}]", fail)
         checked[key] = _check_floats(raw, key, targets.shape, name, fail)
+    for key in schema.ones_if_missing:
+        if key not in checked:
+            checked[key] = torch.ones(targets.shape, dtype=torch.float32)
     return checked
 
 

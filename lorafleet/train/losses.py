@@ -17,9 +17,15 @@ advantages).
 | ppo                 | min(r * A, clip(r, lo, hi) * A)                      |
 | cispo               | sg(clip(r, lo, hi)) * logp * A   (sg = stop-gradient) |
 | dro                 | logp * A - beta/2 * (logp - logq)^2                  |
+| gspo                | min(s_t * A, clip(s_t, lo, hi) * A),                 |
+|                     |   s_t = exp(sg(S) + logp - sg(logp)),                |
+|                     |   S = mean of (logp - logq) over sequence_ratio_mask |
 
 ``logq`` is the sampler's log-prob (input key ``logprobs``), ``A`` the advantage, ``lo``/``hi``
 the clip thresholds on the ratio and ``beta`` the DRO penalty (defaults in loss_inputs.py).
+gspo is Tinker's GSPO-token: every token carries the value of the sequence's ratio
+``exp(S)`` (a geometric mean of token ratios) but the gradient of its own log-prob, so clipping
+keeps or drops whole sequences while per-token advantages still work.
 
 Numerics: everything is computed in float32, whatever the dtype of the log-probs, because bf16
 ratios ``exp(logp - logq)`` are off by up to ~1%.  Ratios are not clamped:
@@ -39,7 +45,14 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from lorafleet.train.loss_inputs import CLIP_HIGH, CLIP_LOW, TARGETS, LossSpec, format_shape
+from lorafleet.train.loss_inputs import (
+    CLIP_HIGH,
+    CLIP_LOW,
+    SEQUENCE_RATIO_MASK,
+    TARGETS,
+    LossSpec,
+    format_shape,
+)
 
 __all__ = ["METRIC_REDUCTIONS", "compute_loss", "gradient_mask", "merge_metrics"]
 
@@ -51,9 +64,10 @@ def gradient_mask(spec: LossSpec) -> torch.Tensor:
 
     Everywhere else the term's gradient is exactly zero whatever the current log-probs (a zero
     weight or advantage multiplies it or, where a ratio could overflow, masks it), so the engine
-    may compute those log-probs without autograd. cross_entropy: ``weights != 0``; importance_sampling, ppo,
-    cispo: ``A != 0`` (ppo's clipped tokens depend on the log-probs, so they stay in); dro:
-    ``A != 0``, or everywhere when ``beta > 0`` (its penalty pulls every log-ratio to 0).
+    may compute those log-probs without autograd. cross_entropy: ``weights != 0``;
+    importance_sampling, ppo, cispo, gspo: ``A != 0`` (ppo's clipped tokens depend on the
+    log-probs, so they stay in; gspo's sequence ratio is a stop-gradient constant); dro: ``A != 0``,
+    or everywhere when ``beta > 0`` (its penalty pulls every log-ratio to 0).
     """
     if spec.name == "cross_entropy":
         return spec.inputs["weights"] != 0
@@ -142,6 +156,26 @@ def _cispo(spec: LossSpec, logp: torch.Tensor) -> tuple[torch.Tensor, _Metrics]:
     return coefficient * logp, metrics
 
 
+def _gspo(spec: LossSpec, logp: torch.Tensor) -> tuple[torch.Tensor, _Metrics]:
+    adv = spec.inputs["advantages"]
+    log_ratio = logp - spec.inputs["logprobs"]
+    in_ratio = spec.inputs[SEQUENCE_RATIO_MASK] != 0
+    # The sequence's log-ratio: a stop-gradient constant (validation ensures in_ratio is nonempty).
+    seq_log_ratio = torch.where(in_ratio, log_ratio.detach(), 0.0).sum() / in_ratio.sum()
+    low, high = _clip_bounds(spec, logp)
+    ratio_sg = torch.exp(seq_log_ratio).expand_as(logp)
+    clipped_ratio = torch.minimum(torch.maximum(ratio_sg, low), high)
+    # As in ppo: min(s*A, clip(s)*A) is the constant clipped term exactly when s has left the
+    # range in the direction the advantage pushes it; only live tokens are exponentiated.
+    on_clip = ((adv > 0) & (ratio_sg > high)) | ((adv < 0) & (ratio_sg < low))
+    live = (adv != 0) & ~on_clip
+    token_ratio = torch.exp(torch.where(live, seq_log_ratio + logp - logp.detach(), 0.0))
+    objective = torch.where(live, token_ratio * adv, clipped_ratio * adv)
+    metrics = _rl_metrics(log_ratio, adv != 0)
+    metrics["clipped_tokens:sum"] = on_clip.sum().to(torch.float32)
+    return objective, metrics
+
+
 def _dro(spec: LossSpec, logp: torch.Tensor) -> tuple[torch.Tensor, _Metrics]:
     adv = spec.inputs["advantages"]
     log_ratio = logp - spec.inputs["logprobs"]
@@ -155,6 +189,7 @@ _LOSS_FNS = {
     "ppo": _ppo,
     "cispo": _cispo,
     "dro": _dro,
+    "gspo": _gspo,
 }
 
 
@@ -176,7 +211,7 @@ def compute_loss(
       minus the usual k1 estimate of KL(q || p).  Logs rather than ratios,
       because a ratio can overflow to inf and inf is not valid JSON.  The
       min/max keys are omitted when the datum has no such token.
-    - ``clipped_tokens:sum`` (ppo, cispo): for ppo, tokens on the clipped
+    - ``clipped_tokens:sum`` (ppo, cispo, gspo): for ppo and gspo, tokens on the clipped
       branch, which get zero gradient; for cispo, tokens whose ratio weight
       was clipped.  Divide by ``active_tokens:sum`` for a clip fraction.
 

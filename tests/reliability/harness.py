@@ -259,7 +259,7 @@ def sqlite_problems(data_dir: Path, *, started_before: float | None = None) -> l
                 problems.append(
                     f"checkpoint {path}: model {model_id} missing or owned by another tenant"
                 )
-            where = Path(directory).resolve()
+            where = (root / directory).resolve()  # stored relative to the data dir
             if root not in where.parents:
                 problems.append(f"checkpoint {path}: directory {where} is outside the data dir")
             elif not where.is_dir():

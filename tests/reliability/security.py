@@ -21,7 +21,7 @@ import httpx
 import zstandard
 from fastapi.routing import APIRoute
 
-from lorafleet.server.app import PUBLIC_PATHS, create_app
+from lorafleet.server.app import PUBLIC_PATHS, SIGNED_GET_PREFIXES, create_app
 from lorafleet.server.main import ServerThread, warn_if_exposed
 from lorafleet.server.service import ServerConfig
 from tests.reliability.fuzz import NAMES, PROTOBUF, Raw, Tenancy, fwdbwd_body, set_up_tenant
@@ -96,6 +96,16 @@ def routes_of(server: ServerThread) -> list[tuple[str, str]]:
     return sorted(set(out))
 
 
+def _states_only(body: object) -> bool:
+    """/healthz may say how the engine and the disk are, and nothing else (lorafleet/server/health.py)."""
+    allowed = {"status": {"ok", "degraded"}, "engine": {"ok"}, "disk": {"ok", "full"}}
+    return (
+        isinstance(body, dict)
+        and all(body.get(k) in v for k, v in allowed.items())
+        and set(body) == set(allowed)
+    )
+
+
 def check_keys(server: ServerThread, report: SecurityReport) -> None:
     """Every route but the public liveness probe answers 401 to a missing or wrong key, before
     it validates anything (a junk query and body do not change that)."""
@@ -110,12 +120,19 @@ def check_keys(server: ServerThread, report: SecurityReport) -> None:
                 )
                 report.auth_probes += 1
                 public = path in PUBLIC_PATHS
-                if public and (response.status_code != 200 or response.json() != {"status": "ok"}):
+                # signed download links: no key by design, the link's signature is the credential
+                signed = method in ("GET", "HEAD") and path.startswith(SIGNED_GET_PREFIXES)
+                if public and (response.status_code != 200 or not _states_only(response.json())):
                     report.auth_bypasses += 1
                     report.fail(
                         f"public {method} {path} answered {response.status_code} {response.text[:100]}"
                     )
-                elif not public and response.status_code != 401:
+                elif signed and response.status_code != 403:
+                    report.auth_bypasses += 1
+                    report.fail(
+                        f"signed {method} {path} without a signature answered {response.status_code}"
+                    )
+                elif not public and not signed and response.status_code != 401:
                     report.auth_bypasses += 1
                     report.fail(
                         f"{method} {path} with key {key!r} answered {response.status_code} {response.text[:200]}"

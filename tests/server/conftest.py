@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TINKER_TELEMETRY"] = "0"
@@ -39,8 +40,14 @@ def server_config(data_dir, port: int | None = None, **overrides) -> ServerConfi
         engine=engine,
         torch_threads=1,
         batch_window_s=0.0,
-        **overrides,
+        **{"tokenizer_cache": _hub_cache_beside(data_dir), **overrides},
     )
+
+
+def _hub_cache_beside(data_dir) -> Path:
+    """Test servers place their tokenizer next to their data dir, not in the user's hub cache."""
+    data_dir = Path(data_dir)
+    return data_dir.parent / f"{data_dir.name}-hf-hub"
 
 
 @pytest.fixture(scope="session")

@@ -124,7 +124,7 @@ def rl_inputs(logq: list[float], adv: list[float], **extra: list[float]) -> dict
 
 
 def test_loss_names() -> None:
-    assert LOSS_NAMES == ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
+    assert LOSS_NAMES == ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo")
     assert set(LOSS_INPUT_KEYS) == set(LOSS_NAMES) == set(LOSS_CONFIG_DEFAULTS)
 
 
@@ -391,7 +391,10 @@ def good_inputs(name: str, n: int = 4) -> dict[str, torch.Tensor]:
     targets = torch.arange(n) % VOCAB
     if name == "cross_entropy":
         return {"target_tokens": targets, "weights": torch.ones(n)}
-    return {"target_tokens": targets, "logprobs": -torch.ones(n), "advantages": torch.ones(n)}
+    rl = {"target_tokens": targets, "logprobs": -torch.ones(n), "advantages": torch.ones(n)}
+    if name == "gspo":
+        rl["sequence_ratio_mask"] = torch.ones(n)
+    return rl
 
 
 @pytest.mark.parametrize("name", LOSS_NAMES)
@@ -726,3 +729,128 @@ def test_merge_metrics_of_computed_losses_matches_whole_batch() -> None:
     assert merged.keys() == whole.keys()
     for key in whole:
         assert_close(merged[key], whole[key])
+
+
+# --------------------------------------------------------------------------- SDK 0.38 additions
+
+
+def ref_gspo(logp, logq, adv, mask, lo, hi) -> tuple[float, list[float]]:
+    """GSPO-token as Tinker documents it: one sequence ratio s = exp(mean log-ratio over the
+    masked tokens); each token carries s's value with d s_t / d logp_t = s (its own gradient)."""
+    marked = [lp - lq for lp, lq, m in zip(logp, logq, mask, strict=True) if m != 0]
+    s = math.exp(sum(marked) / len(marked))
+    loss, grad = 0.0, []
+    for a in adv:
+        unclipped, clipped = s * a, _clip(s, lo, hi) * a
+        if unclipped <= clipped:
+            loss -= unclipped
+            grad.append(-s * a)
+        else:
+            loss -= clipped
+            grad.append(0.0)
+    return loss, grad
+
+
+@pytest.mark.parametrize("targets_2d", [False, True])
+def test_cross_entropy_weights_default_to_ones(targets_2d: bool) -> None:
+    """The SDK's docstring example sends target_tokens only."""
+    targets = [[1, 2], [3, 4], [5, 6]] if targets_2d else [1, 2, 3]
+    logp = [[-0.5, -1.5], [-2.0, -0.1], [-0.3, -0.7]] if targets_2d else [-0.5, -2.0, -0.3]
+    loss, grad, _, spec = run("cross_entropy", {"target_tokens": targets}, logp)
+    flat = [x for row in logp for x in row] if targets_2d else logp
+    assert_close(loss.item(), -sum(flat))
+    assert spec.inputs["weights"].shape == spec.inputs["target_tokens"].shape
+    assert bool((spec.inputs["weights"] == 1).all())
+    ones = [[1.0, 1.0]] * 3 if targets_2d else [1.0] * 3
+    explicit, explicit_grad, _, _ = run(
+        "cross_entropy", {"target_tokens": targets, "weights": ones}, logp
+    )
+    assert loss.item() == explicit.item() and grad == explicit_grad
+
+
+GSPO_CASES = [
+    # (id, logp, logq, adv, mask, config): prompt tokens carry A = 0, logq = 0 and mask 0
+    (
+        "ratio inside the range",
+        [-9.0, -1.0, -0.5, -2.0],
+        [0.0, -1.1, -0.4, -2.05],
+        [0.0, 1.0, 1.0, 1.0],
+        [0.0, 1.0, 1.0, 1.0],
+        {},
+    ),
+    (
+        "ratio above high: positive advantages clipped, negative live",
+        [-1.0, -0.2, -0.3, -0.1],
+        [-1.0, -1.2, -1.3, -1.1],
+        [0.0, 2.0, -1.0, 0.5],
+        [0.0, 1.0, 1.0, 1.0],
+        {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1},
+    ),
+    (
+        "ratio below low: negative advantages clipped",
+        [-3.0, -2.0, -2.5],
+        [-1.0, -1.0, -1.0],
+        [-1.0, 1.0, -0.5],
+        [1.0, 1.0, 0.0],
+        {},
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("logp", "logq", "adv", "mask", "config"),
+    [case[1:] for case in GSPO_CASES],
+    ids=[case[0] for case in GSPO_CASES],
+)
+def test_gspo_matches_reference(logp, logq, adv, mask, config) -> None:
+    lo = config.get("clip_low_threshold", 0.8)
+    hi = config.get("clip_high_threshold", 1.2)
+    inputs = rl_inputs(logq, adv, sequence_ratio_mask=mask)
+    loss, grad, metrics, _ = run("gspo", inputs, logp, config)
+    ref_loss, ref_grad = ref_gspo(logp, logq, adv, mask, lo, hi)
+    assert_close(loss.item(), ref_loss)
+    assert_close(grad, ref_grad)
+    assert metrics["active_tokens:sum"] == sum(a != 0 for a in adv)
+
+
+def test_gspo_sequence_ratio_ignores_unmasked_tokens() -> None:
+    """A huge log-ratio outside the mask neither moves the ratio nor overflows."""
+    adv = [0.0, 1.0, 1.0]
+    base = run(
+        "gspo", rl_inputs([0.0, -1.0, -1.0], adv, sequence_ratio_mask=[0, 1, 1]), [-1, -1, -1]
+    )
+    wild = run(
+        "gspo", rl_inputs([-500.0, -1.0, -1.0], adv, sequence_ratio_mask=[0, 1, 1]), [-1, -1, -1]
+    )
+    assert base[0].item() == wild[0].item() and base[1] == wild[1]
+    assert math.isfinite(wild[0].item())
+
+
+@pytest.mark.parametrize(
+    ("inputs", "fragments"),
+    [
+        (rl_inputs([-1.0] * 3, [1.0] * 3), ["'sequence_ratio_mask'", "missing", "'gspo'"]),
+        (
+            rl_inputs([-1.0] * 3, [1.0] * 3, sequence_ratio_mask=[0.0] * 3),
+            ["loss_fn_inputs['sequence_ratio_mask']", "marks no token"],
+        ),
+    ],
+    ids=["missing mask", "empty mask"],
+)
+def test_gspo_bad_mask_raises(inputs, fragments) -> None:
+    with pytest.raises(LossInputError) as info:
+        validate_loss("gspo", inputs, {}, 3, VOCAB, where="datum 1")  # type: ignore[arg-type]
+    for fragment in ["datum 1: ", *fragments]:
+        assert fragment in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "reason"),
+    [("stable_reinforce", "record_stability_info"), ("custom", "forward_backward_custom")],
+)
+def test_refused_losses_say_why_and_what_is_supported(name: str, reason: str) -> None:
+    with pytest.raises(LossInputError) as info:
+        validate_loss(name, rl_inputs([-1.0], [1.0]), {}, 1, VOCAB)
+    message = str(info.value)
+    assert f"loss_fn {name!r} is not supported" in message
+    assert reason in message and "gspo" in message and "cross_entropy" in message

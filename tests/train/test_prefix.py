@@ -54,11 +54,14 @@ def rl_inputs(loss_fn: str, tokens: torch.Tensor, prompt: int, gen: torch.Genera
         return {"target_tokens": targets, "weights": weights}
     advantage = float(torch.randn((), generator=gen))
     logprobs = torch.where(on_completion > 0, -torch.rand(length, generator=gen) * 3, 0.0)
-    return {
+    inputs = {
         "target_tokens": targets,
         "logprobs": logprobs,
         "advantages": on_completion * advantage,
     }
+    if loss_fn == "gspo":
+        inputs["sequence_ratio_mask"] = on_completion
+    return inputs
 
 
 def group_items(slot, loss_fn, prompt_len, sizes, seed, prompt=None):

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lorafleet.server.errors import ApiError
+from lorafleet.server.redact import internal_error
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +39,5 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception) -> JSONResponse:
         log.error("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
-        body = {
-            "error": f"internal server error: {type(exc).__name__}: {exc}",
-            "category": "server",
-        }
+        body = {"error": internal_error("answering the request", exc), "category": "server"}
         return JSONResponse(body, status_code=500)

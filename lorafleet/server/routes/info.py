@@ -3,21 +3,27 @@ limits. Telemetry is accepted and dropped."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
 from lorafleet.server import views
 from lorafleet.server.routes import API
 from lorafleet.server.routes.bodies import tenant
 from lorafleet.server.served import ServedBase
 
+Health = Callable[[], tuple[int, dict[str, str]]]
+"""`Service.health`: the status code and the states (engine, disk) /healthz answers."""
 
-def add_routes(app: FastAPI, served: ServedBase) -> None:
+
+def add_routes(app: FastAPI, served: ServedBase, *, health: Health) -> None:
 
     @app.get(f"{API}/healthz")
-    async def healthz() -> dict[str, str]:
-        return {"status": "ok"}
+    async def healthz() -> JSONResponse:
+        status, body = health()
+        return JSONResponse(body, status_code=status)
 
     @app.post(f"{API}/client/config")
     async def client_config(request: Request) -> dict[str, Any]:

@@ -4,11 +4,12 @@ and their checkpoints (listing, TTL, deletion), and what a checkpoint's weights 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
+from fastapi.responses import FileResponse
 
-from lorafleet.server.rest import Rest
+from lorafleet.server.rest import FILES_ROUTE, Rest
 from lorafleet.server.routes import API
 from lorafleet.server.routes.bodies import BodyReader, tenant
 
@@ -25,13 +26,19 @@ def add_routes(app: FastAPI, rest: Rest, bodies: BodyReader) -> None:
 
     @app.get(f"{API}/training_runs")
     async def list_training_runs(
-        request: Request, limit: int = 20, offset: int = 0
+        request: Request,
+        limit: int = 20,
+        offset: int = 0,
+        access_scope: str = "owned",
+        project_id: str | None = None,
     ) -> dict[str, Any]:
-        return rest.list_training_runs(tenant(request), limit, offset)
+        return rest.list_training_runs(tenant(request), limit, offset, access_scope, project_id)
 
     @app.get(f"{API}/training_runs/{{run_id}}")
-    async def get_training_run(run_id: str, request: Request) -> dict[str, Any]:
-        return rest.get_training_run(tenant(request), run_id)
+    async def get_training_run(
+        run_id: str, request: Request, access_scope: str = "owned"
+    ) -> dict[str, Any]:
+        return rest.get_training_run(tenant(request), run_id, access_scope)
 
     @app.get(f"{API}/training_runs/{{run_id}}/checkpoints")
     async def list_run_checkpoints(run_id: str, request: Request) -> dict[str, Any]:
@@ -42,6 +49,53 @@ def add_routes(app: FastAPI, rest: Rest, bodies: BodyReader) -> None:
         return rest.set_checkpoint_ttl(
             tenant(request), run_id, checkpoint_id, await bodies.json(request)
         )
+
+    # before the DELETE of a checkpoint, whose {checkpoint_id:path} would swallow ".../publish"
+    @app.post(f"{API}/training_runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}/publish")
+    async def publish(run_id: str, checkpoint_id: str, request: Request) -> dict[str, Any]:
+        return rest.set_public(tenant(request), run_id, checkpoint_id, True)
+
+    @app.delete(f"{API}/training_runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}/publish")
+    async def unpublish(run_id: str, checkpoint_id: str, request: Request) -> dict[str, Any]:
+        return rest.set_public(tenant(request), run_id, checkpoint_id, False)
+
+    @app.get(
+        f"{API}/training_runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}/external_weights_urls"
+    )
+    async def external_weights_urls(
+        run_id: str, checkpoint_id: str, request: Request
+    ) -> dict[str, Any]:
+        base_url = str(request.base_url).rstrip("/")
+        return rest.external_weights_urls(tenant(request), run_id, checkpoint_id, base_url)
+
+    @app.get(f"{FILES_ROUTE}/{{run_id}}/external_weights/{{name}}/{{file}}")
+    async def external_file(
+        run_id: str,
+        name: str,
+        file: str,
+        signed_for: Annotated[str | None, Query(alias="tenant")] = None,
+        expires: str | None = None,
+        sig: str | None = None,
+    ) -> FileResponse:
+        """No API key (app.KeyGate lets FILES_ROUTE through): the signature is the credential."""
+        path = rest.external_file(run_id, name, file, signed_for, expires, sig)
+        return FileResponse(path, media_type="application/octet-stream")
+
+    @app.post(f"{API}/copy_weights")
+    async def copy_weights(request: Request) -> dict[str, Any]:
+        result = rest.copy_weights(
+            tenant(request),
+            await bodies.json(request),
+            request.headers.get("x-idempotency-key"),
+            request.headers.get("x-tinker-weights-access-token"),
+        )
+        return result if isinstance(result, dict) else await asyncio.wrap_future(result)
+
+    @app.get(f"{API}/billing/usage/checkpoints/current")
+    async def checkpoint_storage_usage(
+        request: Request, project_id: str | None = None
+    ) -> dict[str, Any]:
+        return rest.checkpoint_storage_usage(tenant(request), project_id)
 
     @app.delete(f"{API}/training_runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}")
     async def delete_checkpoint(

@@ -36,6 +36,10 @@ def add_routes(app: FastAPI, training: Training, bodies: BodyReader) -> None:
     async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
         return training.save_for_sampler(tenant(request), await bodies.json(request))
 
+    @app.post(f"{API}/save_weights_external")
+    async def save_weights_external(request: Request) -> dict[str, Any]:
+        return training.save_weights_external(tenant(request), await bodies.json(request))
+
     @app.post(f"{API}/load_weights")
     async def load_weights(request: Request) -> dict[str, Any]:
         return training.load_weights(tenant(request), await bodies.json(request))
