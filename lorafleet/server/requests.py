@@ -291,6 +291,14 @@ def check_sample_cost(args: SampleArgs, limits: RequestLimits, context_length: i
 def sample_args(
     req: schemas.Sample, adapter: tuple[str, int] | None, checkpoint_path: str | None
 ) -> SampleArgs:
+    if req.record_stability_info:
+        # Accepting it and recording nothing would leave a stable_reinforce run without the
+        # records its loss needs; that loss is refused too (train/loss_inputs.py).
+        raise UserError(
+            "record_stability_info=true is not supported by this server: it records no sampling "
+            "stability information (the stable_reinforce loss is not supported either); sample "
+            "without it and train with importance_sampling or ppo"
+        )
     prompt: list[int] = []
     for i, chunk in enumerate(req.prompt.chunks):
         if chunk.type != "encoded_text" or chunk.tokens is None:

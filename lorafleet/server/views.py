@@ -61,6 +61,13 @@ def _str_dict(value: dict[str, Any] | None) -> dict[str, str] | None:
     return None if value is None else {str(k): str(v) for k, v in value.items()}
 
 
+def optimizer_config(lora: dict[str, Any]) -> dict[str, Any]:
+    """The SDK's `OptimizerConfig` of a run's optimizer family (rows from before the family was
+    recorded are AdamW, the only family there was)."""
+    family = lora.get("optimizer", "adamw")
+    return {"type": "dimuon", "version": 1} if family == "dimuon" else {"type": family}
+
+
 def model_info(row: ModelRow, served: ServedBase) -> dict[str, Any]:
     return {
         "model_id": row.model_id,
@@ -72,7 +79,7 @@ def model_info(row: ModelRow, served: ServedBase) -> dict[str, Any]:
         "is_lora": True,
         "lora_rank": row.lora_rank,
         "model_name": row.base_model,
-        "optimizer_config": {"type": "adamw"},
+        "optimizer_config": optimizer_config(row.lora),
         "type": "get_info",
     }
 
@@ -118,7 +125,7 @@ def weights_info(row: CheckpointRow) -> dict[str, Any]:
         "train_unembed": lora["train_unembed"],
         "train_mlp": lora["train_mlp"],
         "train_attn": lora["train_attn"],
-        "optimizer_config": {"type": "adamw"},
+        "optimizer_config": optimizer_config(lora),
     }
 
 

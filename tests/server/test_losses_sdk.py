@@ -14,7 +14,7 @@ import torch
 from tinker import types
 from tinker.types.optimizer import OptimizerConfigBase
 
-from tests.server.conftest import rl_datum, sl_datum
+from tests.server.conftest import KEY_A, rl_datum, sl_datum
 
 TEXT = [5, 17, 33, 8, 90, 41, 12, 77, 230, 19, 64, 103, 250, 11, 9, 301]
 
@@ -119,6 +119,40 @@ def test_forward_backward_custom_on_weightless_data(client_a, base_model):
     assert after < before
 
 
+def test_create_custom_loss_runs_on_the_client_and_trains(server, client_a, base_model):
+    """The server does not offer server-side custom losses (`custom_loss_server_side` stays off
+    in its client config), so the SDK traces the loss and runs it on the client, sending plain
+    cross_entropy weights: the loss value comes back, and a step on it lowers the loss."""
+    tc = client_a.create_lora_training_client(base_model=base_model, rank=4, seed=15).result()
+    data = [sl_datum(TEXT[:9]), sl_datum(TEXT[7:])]
+
+    def neg_ll(logprobs, weights):
+        loss = -(logprobs * weights).sum()
+        return loss, {"custom/neg_ll:sum": loss}
+
+    handle = client_a.create_custom_loss(neg_ll, input_ranks={"logprobs": 1, "weights": 1}).result()
+    result = tc.forward_backward_custom(data, handle).result()
+    before = tc.forward(data, "cross_entropy").result().metrics["loss:sum"]
+    assert result.metrics["custom/neg_ll:sum"] == pytest.approx(before, rel=1e-5)
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    assert tc.forward(data, "cross_entropy").result().metrics["loss:sum"] < before
+
+
+def test_record_stability_info_is_refused_not_ignored(client_a, base_model):
+    """It only serves stable_reinforce, which this server refuses; accepting it silently would
+    leave that run without the records it asked for."""
+    sampler = client_a.create_sampling_client(
+        base_model=base_model, record_stability_info=True
+    ).result()
+    params = types.SamplingParams(max_tokens=2, temperature=0.0)
+    with pytest.raises(tinker.RequestFailedError, match="record_stability_info"):
+        sampler.sample(types.ModelInput.from_ints(TEXT[:4]), 1, params).result()
+    plain = client_a.create_sampling_client(base_model=base_model).result()
+    assert (
+        len(plain.sample(types.ModelInput.from_ints(TEXT[:4]), 1, params).result().sequences) == 1
+    )
+
+
 # --------------------------------------------------------------------------- dimuon
 
 DIMUON = types.DimuonOptimizerConfig()
@@ -161,7 +195,7 @@ def test_unknown_optimizer_is_refused_at_create(client_a, base_model):
         ).result()
 
 
-def test_dimuon_state_round_trips_bit_for_bit(client_a, base_model):
+def test_dimuon_state_round_trips_bit_for_bit(server, client_a, base_model):
     tc = client_a.create_lora_training_client(
         base_model=base_model, rank=4, seed=23, optimizer=DIMUON
     ).result()
@@ -182,6 +216,11 @@ def test_dimuon_state_round_trips_bit_for_bit(client_a, base_model):
     np.testing.assert_array_equal(got, expected)
     with pytest.raises(tinker.RequestFailedError, match="was created with the dimuon"):
         restored.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    # the family is reported where the SDK shows it, for the run and for its checkpoint
+    assert restored.get_info().optimizer_config.model_dump() == DIMUON.model_dump()
+    rest = tinker.RestClient(base_url=server.base_url, api_key=KEY_A)
+    info = rest.get_weights_info_by_tinker_path(path).result()
+    assert info.optimizer_config.model_dump() == DIMUON.model_dump()
 
 
 def test_dimuon_checkpoint_into_another_family(client_a, base_model):
