@@ -24,12 +24,16 @@ class ServedBase:
 
     @property
     def names(self) -> list[str]:
-        return list(dict.fromkeys([self.base_id, str(self.base_path)]))
+        """The names `get_server_capabilities` lists: the preset name, or for a base served from
+        a directory the hub-style name its tokenizer is placed under. Never the directory, a
+        server path; a client that still sends it is served all the same (`check`)."""
+        public = self.tokenizer_id if Path(self.base_id).is_absolute() else self.base_id
+        return [public]
 
     def check(self, name: str | None, field: str = "base_model") -> str:
-        """The base is addressable by preset name and by its directory (cookbook code loads the
-        tokenizer from the name, so offline it has to be a path)."""
-        if isinstance(name, str) and name in self.names:
+        """The base is addressable by its listed name, by `base_id`, and by its directory (older
+        clients loaded the tokenizer from the directory, the one name that worked offline)."""
+        if isinstance(name, str) and name in (*self.names, self.base_id, str(self.base_path)):
             return name
         if isinstance(name, str) and name and ("/" in name or name.startswith("~")):
             try:

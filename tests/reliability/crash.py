@@ -348,7 +348,7 @@ def run_crash(workdir: Path, cycles: int, seed: int = 0, log: Any = None) -> Cra
     began = time.perf_counter()
     startup = server.start(fault_file=faults / "0.log")
     rest = tinker.RestClient(base_url=server.base_url, api_key=key)
-    base_model = rest.get_server_capabilities().result(timeout=60).supported_models[-1].model_name
+    base_model = rest.get_server_capabilities().result(timeout=60).supported_models[0].model_name
     ledger: list[Saved] = []
     services: list[Any] = []
     results: list[CycleResult] = []
