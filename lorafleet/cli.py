@@ -160,9 +160,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from lorafleet.engines import EngineConfig
-    from lorafleet.server.auth import load_keys
+    from lorafleet.server.auth import ENV_VAR, load_keys
     from lorafleet.server.main import serve
     from lorafleet.server.service import ServerConfig
+    from lorafleet.server.tenants import TenantsFileError
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -171,6 +172,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         base_model=args.base_model,
         dtype=_resolve_dtype(args.dtype),
         max_adapters=args.max_adapters,
+        warm_bytes=args.warm_bytes,
         sampler_slots=args.sampler_slots,
         max_lora_rank=args.max_lora_rank,
         lora_alpha=args.lora_alpha,
@@ -179,7 +181,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(
         base_model=args.base_model,
         data_dir=Path(args.data_dir),
-        api_keys=load_keys(args.api_key_file),
+        api_keys=_serve_keys(args, os.environ.get(ENV_VAR), load_keys),
+        tenants_file=None if args.tenants_file is None else Path(args.tenants_file),
+        max_queued_ops=args.max_queued_ops,
         host=args.host,
         port=args.port,
         engine=engine,
@@ -187,15 +191,57 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         batch_window_s=args.batch_window_ms / 1000.0,
         allow_recovery_deletes=args.allow_recovery_deletes,
         gap_timeout_s=args.gap_timeout_s,
+        round_token_budget=args.round_token_budget,
     )
     from lorafleet.server.recovery import RecoveryRefused
     from lorafleet.server.store import StoreError
 
     try:
         serve(config)
-    except (RecoveryRefused, StoreError) as exc:
+    except (RecoveryRefused, StoreError, TenantsFileError) as exc:
         raise SystemExit(f"lorafleet serve: {exc}") from None
     return 0
+
+
+def _serve_keys(
+    args: argparse.Namespace, env_keys: str | None, load_keys: Callable[[str | None], list[str]]
+) -> list[str]:
+    """With --tenants-file the keys are there (as hashes); mixing in other keys is refused
+    rather than one source silently winning."""
+    if args.tenants_file is None:
+        return load_keys(args.api_key_file)
+    if args.api_key_file is not None or env_keys:
+        raise SystemExit(
+            "lorafleet serve: --tenants-file lists the keys (as sha256 hashes); drop "
+            "--api-key-file and unset $LORAFLEET_API_KEYS"
+        )
+    return []
+
+
+def _cmd_keyhash(args: argparse.Namespace) -> int:
+    """Reads keys from stdin (never from the command line, which other users can see)."""
+    from lorafleet.server.auth import hash_key, parse_keys, tenant_id
+
+    try:
+        keys = parse_keys(sys.stdin.read().splitlines(), "stdin")
+    except ValueError as exc:
+        raise SystemExit(f"lorafleet keyhash: {exc}") from None
+    if not keys:
+        raise SystemExit("lorafleet keyhash: no key on stdin (one tml-... key per line)")
+    for key in keys:
+        digest = hash_key(key)
+        print(
+            f'key_sha256 = ["{digest.hex()}"]  # tenant id without a tenants file: {tenant_id(digest)}'
+        )
+    return 0
+
+
+def _register_keyhash(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "keyhash",
+        help="print the sha256 of API keys read from stdin, for a --tenants-file",
+    )
+    parser.set_defaults(func=_cmd_keyhash)
 
 
 def _dist_config(args: argparse.Namespace) -> DistConfig | None:
@@ -230,6 +276,16 @@ def _positive_seconds(value: str) -> float:
     return seconds
 
 
+def _positive_tokens(value: str) -> int:
+    try:
+        tokens = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens, got {value!r}") from None
+    if tokens < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive number of tokens, got {value!r}")
+    return tokens
+
+
 def _register_serve(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "serve", help="serve the Tinker API (SDK 0.38) for many tenants' adapters"
@@ -247,9 +303,31 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="file with one tml-... key per line (adds to $LORAFLEET_API_KEYS)",
     )
+    parser.add_argument(
+        "--tenants-file",
+        default=None,
+        help="TOML tenants: key hashes, weights, operators, quotas (reloaded on SIGHUP); "
+        "replaces the keys of $LORAFLEET_API_KEYS / --api-key-file",
+    )
+    parser.add_argument(
+        "--max-queued-ops",
+        type=int,
+        default=4096,
+        help="requests queued in all before new ones get 429 (the SDK retries them)",
+    )
     _add_dtype_option(parser, "base model dtype")
     parser.add_argument(
-        "--max-adapters", type=int, default=8, help="training adapters held at once"
+        "--max-adapters",
+        type=int,
+        default=8,
+        help="trainer slots: training runs resident at once (more runs are paged out, not refused)",
+    )
+    parser.add_argument(
+        "--warm-bytes",
+        type=int,
+        default=1 << 30,
+        help="host memory for runs paged out of their slots; past it the least recently used "
+        "go to disk under the data dir",
     )
     parser.add_argument(
         "--sampler-slots", type=int, default=16, help="sampler versions held in memory at once"
@@ -269,6 +347,14 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
         default=30.0,
         help="skip a model's seq_id that has not arrived after this long, so the calls "
         "queued behind a lost request run (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--round-token-budget",
+        type=_positive_tokens,
+        default=512,  # scheduler.DEFAULT_ROUND_TOKENS (not imported: the CLI starts light)
+        help="tokens of forward_backward work one engine round runs; tenants take turns by "
+        "weighted deficit round-robin and a bigger call runs in chunks over several rounds "
+        "(default: %(default)s)",
     )
     parser.add_argument(
         "--allow-recovery-deletes",
@@ -502,6 +588,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _register_tokenizer,
     _register_demo,
     _register_serve,
+    _register_keyhash,
     _register_rl,
     _register_sft,
 ]

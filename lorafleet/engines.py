@@ -51,6 +51,9 @@ class EngineConfig:
         8  # files kept per model for save_weights_and_get_sampling_client; 0 = memory only
     )
     dist: DistConfig | None = None  # sharded trainer ranks / Ray placement; None = one process
+    # Host memory for training runs paged out of their slots (the warm tier); past it the least
+    # recently used go to disk (lorafleet.server.live_models). Pinned memory on an accelerator.
+    warm_bytes: int = 1 << 30
 
 
 # --------------------------------------------------------------------------- colocated

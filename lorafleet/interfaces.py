@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -33,12 +33,15 @@ if TYPE_CHECKING:
     from lorafleet.sample.validate import ModelLimits
     from lorafleet.train.engine import BatchOutput
     from lorafleet.train.items import PreparedItem, TrainItem
+    from lorafleet.train.slot_state import SlotState
 
 __all__ = [
     "AdapterBank",
     "Closeable",
     "EngineSet",
+    "PagingReport",
     "Sampler",
+    "SlotPager",
     "SlotRows",
     "Trainer",
     "VersionRecord",
@@ -155,6 +158,30 @@ class Trainer(Protocol):
     def export_peft(self, slot: int, dest: str | Path, *, overwrite: bool = False) -> Path: ...
 
     def import_peft(self, src: str | Path, *, slot: int | None = None, seed: int = 0) -> int: ...
+
+
+@runtime_checkable
+class PagingReport(Protocol):
+    """A bank whose slots are a cache reports its paging counters
+    (`lorafleet.model.paging.PagingCounters.as_dict`)."""
+
+    def paging(self) -> dict[str, object]: ...
+
+
+@runtime_checkable
+class SlotPager(Protocol):
+    """A trainer whose slots are a cache: a run's whole state (weights, optimizer moments and
+    step, hyper-parameters, a pending gradient) leaves its slot and comes back bit for bit.
+    The colocated `TrainEngine` is one; the sharded trainers keep hard slots (a server over
+    them refuses a run past its slots)."""
+
+    def export_slot(self, slot: int) -> SlotState: ...
+
+    def import_slot(self, state: SlotState, slot: int | None = None) -> int: ...
+
+    def write_slot(self, state: SlotState, dest: str | Path) -> int: ...
+
+    def read_slot(self, src: str | Path) -> SlotState: ...
 
 
 class VersionRecord(Protocol):

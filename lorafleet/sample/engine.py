@@ -82,6 +82,7 @@ class _Group:
     future: Future[SampleResult]
     traces: list[SequenceTrace]  # the submission's trace list
     share_key: str | None = None  # whose turn admitting it takes (admission.py)
+    share_weight: float = 1.0  # that key's share of the rows
     slot: int | None = None  # sampler slot once pinned (BASE_SLOT for the base model)
     pinned: bool = False
     remaining: int = 0
@@ -339,6 +340,7 @@ class SampleEngine:
                     future=future,
                     traces=traces,
                     share_key=requests[index].share_key,
+                    share_weight=float(requests[index].share_weight),
                     remaining=item.num_samples,
                     sequences=[None] * item.num_samples,
                 )
@@ -352,7 +354,7 @@ class SampleEngine:
             while self._incoming:
                 group = self._incoming.popleft()
                 for sample in range(group.request.num_samples):
-                    self._waiting.push(group.share_key, (group, sample))
+                    self._waiting.push(group.share_key, (group, sample), group.share_weight)
 
     @torch.no_grad()
     def _advance(self, step: int) -> None:
@@ -403,7 +405,7 @@ class SampleEngine:
             if group not in prefill_groups:
                 new_longest = max(longest, group.request.prompt_len)
                 if prefill_groups and new_longest * (len(prefill_groups) + 1) > self.prefill_tokens:
-                    waiting.push_front(group.share_key, (group, sample))
+                    waiting.push_front(group.share_key, (group, sample), group.share_weight)
                     break
                 if not group.pinned and not self._pin(group):
                     if group.error is None:
@@ -426,7 +428,7 @@ class SampleEngine:
             held[group.share_key] += 1
             free -= 1
         for key, item in reversed(deferred):
-            waiting.push_front(key, item)
+            waiting.push_front(key, item, item[0].share_weight)
         return admitted
 
     def _pin(self, group: _Group) -> bool:

@@ -52,6 +52,8 @@ class SampleRequest:
     # batch, admission takes turns between share keys, so one caller's many rows never make
     # another's few wait behind all of them. None: one shared key.
     share_key: str | None = None
+    # The key's share of the rows when keys wait (> 0): rows held / weight decides whose turn.
+    share_weight: float = 1.0
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
     topk_sample_logprobs: int = 0

@@ -224,6 +224,8 @@ def prepare_request(index: int, request: SampleRequest, limits: ModelLimits) -> 
     top_k = 0 if top_k in (-1, 0) or top_k >= limits.vocab_size else top_k
     seed = None if params.seed is None else _int(params.seed, "seed")
     num_samples = _int(request.num_samples, "num_samples", low=1)
+    if not _float(request.share_weight, "share_weight") > 0:
+        raise RequestError(f"share_weight must be > 0, got {request.share_weight!r}")
     if not isinstance(request.prompt_logprobs, bool):
         raise RequestError(
             f"prompt_logprobs must be true or false, got {request.prompt_logprobs!r}"

@@ -4,8 +4,9 @@ Publishing copies a trainer slot's row into a slot of the sampler's bank set (an
 tensor sync). From then on `(adapter_id, version)` is immutable: training continues in the
 trainer slot and never touches the copy, so a sample started on version v finishes on v.
 
-Sampler slots are a bounded LRU: publishing or loading when all slots are taken evicts the
-least recently used version that no in-flight sequence has pinned. A version published or
+Sampler slots are a bounded LRU (the policy and counters every paged bank shares,
+`lorafleet.model.paging`): publishing or loading when all slots are taken evicts the least
+recently used version that no in-flight sequence has pinned. A version published or
 registered with a path (a training-state checkpoint dir or a PEFT dir) is reloaded from its
 files on demand after eviction, so a saved version is never "not found". A version without
 files is gone once evicted, and asking for it says exactly that.
@@ -31,6 +32,7 @@ from lorafleet.adapters.checkpoint import STATE_NAME, CheckpointError, restore_w
 from lorafleet.adapters.peft_io import CONFIG_NAME, PeftFormatError, import_peft
 from lorafleet.fsio import PathLike
 from lorafleet.model.banks import BankError, BankSet
+from lorafleet.model.paging import PagingCounters, Recency
 from lorafleet.sample.types import VersionKey
 
 if TYPE_CHECKING:
@@ -68,7 +70,6 @@ class VersionInfo:
     kind: SourceKind | None
     slot: int | None  # sampler slot while resident
     pins: int = 0
-    last_used: int = 0
     retiring: bool = False  # no new pins; dropped when the last one is released
 
     @property
@@ -136,7 +137,8 @@ class VersionStore:
         # The last retired keys, so that a request queued before the retirement and admitted
         # after the drop is told why, not "never published".
         self._retired: OrderedDict[VersionKey, None] = OrderedDict()
-        self._clock = 0
+        self._recency: Recency[VersionKey] = Recency()
+        self.counters = PagingCounters()
         self._lock = threading.RLock()
 
     # ------------------------------------------------------------------ queries
@@ -174,9 +176,13 @@ class VersionStore:
             )
         return info
 
-    def _tick(self) -> int:
-        self._clock += 1
-        return self._clock
+    def _row_bytes(self) -> int:
+        return self.bank.row_size * self.bank.params.element_size()
+
+    def paging(self) -> dict[str, object]:
+        """The shared paging counters (`PagingCounters.as_dict`), as the stats report them."""
+        with self._lock:
+            return self.counters.as_dict()
 
     # ------------------------------------------------------------------ adding
     def _new_key(self, adapter_id: str, version: int | None) -> VersionKey:
@@ -208,9 +214,9 @@ class VersionStore:
                 if self.bank.slots[slot] is not None:
                     self.bank.free(slot)
                 raise
-            self._versions[key] = VersionInfo(
-                *key, path=saved, kind=kind, slot=slot, last_used=self._tick()
-            )
+            self._versions[key] = VersionInfo(*key, path=saved, kind=kind, slot=slot)
+            self._recency.touch(key)
+            self.counters.added("hot", self._row_bytes())
             self._retired.pop(key, None)
             return key
 
@@ -221,6 +227,7 @@ class VersionStore:
             saved = Path(path)
             kind = detect_kind(saved)
             self._versions[key] = VersionInfo(*key, path=saved, kind=kind, slot=None)
+            self.counters.added("cold", self._row_bytes())
             self._retired.pop(key, None)
             return key
 
@@ -230,6 +237,8 @@ class VersionStore:
             info = self._get(key)
             saved = Path(path)
             info.kind = detect_kind(saved)
+            if info.path is None and info.slot is None:
+                self.counters.added("cold", self._row_bytes())
             info.path = saved
 
     # ------------------------------------------------------------------ pinning
@@ -255,10 +264,13 @@ class VersionStore:
                     "cannot start; a new request gets the current weights, if there still are any"
                 )
             if info.slot is None:
+                self.counters.miss()
                 self._load(info)
+            else:
+                self.counters.hit()
             assert info.slot is not None
             info.pins += 1
-            info.last_used = self._tick()
+            self._recency.touch(key)
             return info.slot
 
     def release(self, key: VersionKey) -> None:
@@ -280,14 +292,24 @@ class VersionStore:
                     f"version {key!r} is in use by {info.pins} sequence(s); cannot evict it"
                 )
             if info.slot is not None:
-                self.bank.free(info.slot)
-                info.slot = None
+                self._page_out(info)
 
     def drop(self, key: VersionKey) -> None:
         """Forgets the version entirely (e.g. its sync failed verification)."""
         with self._lock:
-            self.evict(key)
+            info = self._get(key)
+            if info.pins:
+                raise VersionError(
+                    f"version {key!r} is in use by {info.pins} sequence(s); cannot drop it"
+                )
+            if info.slot is not None:
+                self.bank.free(info.slot)
+                info.slot = None
+                self.counters.removed("hot", self._row_bytes())
+            elif info.path is not None:
+                self.counters.removed("cold", self._row_bytes())
             del self._versions[key]
+            self._recency.forget(key)
 
     def retire(self, key: VersionKey) -> bool:
         """Forgets the version once no sequence uses it: at once when unpinned (True), else it
@@ -311,17 +333,29 @@ class VersionStore:
         free = self.bank.free_slots()
         if in_use < self.capacity and free:
             return free[0]
-        candidates = [i for i in self._versions.values() if i.slot is not None and i.pins == 0]
-        if not candidates:
+        candidates = [k for k, i in self._versions.items() if i.slot is not None and i.pins == 0]
+        key = self._recency.oldest(candidates)
+        if key is None:
             raise NoFreeSlotError(
                 f"all {self.capacity} sampler slots hold versions that running sequences use"
             )
-        victim = min(candidates, key=lambda i: i.last_used)
+        victim = self._versions[key]
         assert victim.slot is not None
         slot = victim.slot
-        self.bank.free(slot)
-        victim.slot = None
+        self._page_out(victim)
         return slot
+
+    def _page_out(self, info: VersionInfo) -> None:
+        """Frees the version's slot: it goes cold (reloadable from its files) or, without
+        files, is dropped from the bank for good (asking for it then says so)."""
+        assert info.slot is not None
+        self.bank.free(info.slot)
+        info.slot = None
+        if info.path is not None:
+            self.counters.moved("hot", "cold", released=self._row_bytes(), held=self._row_bytes())
+        else:
+            self.counters.removed("hot", self._row_bytes())
+            self.counters.dropped += 1
 
     def _load(self, info: VersionInfo) -> None:
         if info.path is None:
@@ -346,3 +380,4 @@ class VersionStore:
                 f"version {info.key!r}: cannot load {info.path}: {exc}"
             ) from exc
         info.slot = slot
+        self.counters.moved("cold", "hot", released=self._row_bytes(), held=self._row_bytes())

@@ -41,7 +41,7 @@ class AdapterSetup:
         if lora.get("seed") is None:
             lora["seed"] = secrets.randbits(31)
         lora["optimizer"] = args.optimizer  # recorded for get_info / weights_info (views.py)
-        self.live.require_free_slot()
+        self.live.require_free_slot(op.tenant)
         try:
             targets = self.targets.for_lora(lora)
             spec = AdapterSpec(
@@ -69,7 +69,7 @@ class AdapterSetup:
         args: FromStateArgs = op.payload
         assert op.model_id is not None
         state = self.checkpoints.read_state(args.checkpoint, "create_training_client_from_state")
-        self.live.require_free_slot()
+        self.live.require_free_slot(op.tenant)
         restores_state = args.optimizer and state.moments is not None
         family = args.optimizer_family
         if restores_state and family is not None and family != state.optimizer:

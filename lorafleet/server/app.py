@@ -25,9 +25,11 @@ from lorafleet.server.routes import (
     stats,
     training,
     unknown,
+    usage,
 )
 from lorafleet.server.routes.bodies import BodyReader
 from lorafleet.server.routes.errors import install_error_handlers
+from lorafleet.server.routes.usage import METRICS_ROUTE
 from lorafleet.server.service import Service
 
 PUBLIC_PATHS = frozenset({f"{API}/healthz"})
@@ -52,6 +54,8 @@ class KeyGate:
             key = next(
                 (v.decode("latin-1") for k, v in scope["headers"] if k == b"x-api-key"), None
             )
+            if key is None and scope["path"] == METRICS_ROUTE:
+                key = _bearer(scope)  # what a Prometheus scrape config sends (`authorization`)
             try:
                 who = self.service.authenticate(key)
             except ApiError as exc:
@@ -59,6 +63,14 @@ class KeyGate:
                 return
             scope.setdefault("state", {})["tenant"] = who
         await self.app(scope, receive, send)
+
+
+def _bearer(scope: Scope) -> str | None:
+    value = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), "")
+    scheme, _, token = value.partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    return token.strip() or None
 
 
 def create_app(service: Service) -> FastAPI:
@@ -77,6 +89,7 @@ def create_app(service: Service) -> FastAPI:
     sampling.add_routes(app, service.sampling, bodies)
     futures.add_routes(app, service.retrieve, bodies)
     rest.add_routes(app, service.rest, bodies)
+    usage.add_routes(app, service.usage)  # /api/v1/lorafleet/usage, and /metrics (operators)
     # LAST: the catch-all for POSTs to paths no route above serves
     unknown.add_routes(app, service.intake, bodies)
     return app

@@ -1,8 +1,9 @@
 """API keys: each `tml-...` key is one tenant; only sha256 hashes are kept in memory.
 
 Keys come from `LORAFLEET_API_KEYS` (comma-separated) and/or a key file (one per line, `#`
-comments). The tenant id is a prefix of the key's hash, so it is stable across restarts (the
-SQLite store and the data directory are keyed by it) without ever writing a key to disk.
+comments), or from a tenants file (tenants.py), which holds only the keys' hashes. In the simple
+case the tenant id is a prefix of the key's hash (`tenant_id`), so it is stable across restarts
+(the SQLite store and the data directory are keyed by it) without ever writing a key to disk.
 """
 
 from __future__ import annotations
@@ -23,11 +24,22 @@ _MIN_KEY_LENGTH = len(KEY_PREFIX) + 8
 
 @dataclass(frozen=True)
 class Tenant:
-    id: str  # 16 hex chars of sha256(key): safe as a directory name, not reversible
+    # the tenants file's name for it, or 16 hex chars of sha256(key): safe as a directory name
+    id: str
+    operator: bool = False  # reads every tenant's usage and /metrics
 
 
-def _hash(key: str) -> bytes:
+def hash_key(key: str) -> bytes:
+    """What a tenants file stores for a key (as hex): its sha256."""
     return hashlib.sha256(key.encode("utf-8")).digest()
+
+
+def tenant_id(digest: bytes) -> str:
+    """A key-only tenant's id: the first 16 hex digits of its key's sha256, not reversible."""
+    return digest.hex()[:16]
+
+
+_hash = hash_key
 
 
 def parse_keys(lines: Iterable[str], source: str) -> list[str]:
@@ -67,10 +79,21 @@ class KeyRing:
     always all of them, so timing does not reveal which tenant a near-miss resembles)."""
 
     def __init__(self, keys: Iterable[str]):
-        hashes = {_hash(k) for k in keys}
-        if not hashes:
+        """One key-only tenant per key (ids from `tenant_id`)."""
+        self._owners = {_hash(k): (tenant_id(_hash(k)), False) for k in keys}
+        if not self._owners:
             raise ValueError("KeyRing needs at least one key")
-        self._hashes = sorted(hashes)
+        self._hashes = sorted(self._owners)
+
+    @classmethod
+    def from_hashes(cls, owners: Mapping[bytes, tuple[str, bool]]) -> KeyRing:
+        """`owners`: key hash -> (tenant id, operator), as a tenants file names them."""
+        ring = cls.__new__(cls)
+        ring._owners = dict(owners)
+        if not ring._owners:
+            raise ValueError("KeyRing needs at least one key")
+        ring._hashes = sorted(ring._owners)
+        return ring
 
     def __len__(self) -> int:
         return len(self._hashes)
@@ -85,4 +108,5 @@ class KeyRing:
                 match = stored
         if match is None:
             raise Unauthorized("invalid API key")
-        return Tenant(id=match.hex()[:16])
+        tenant, operator = self._owners[match]
+        return Tenant(id=tenant, operator=operator)

@@ -13,11 +13,11 @@ from lorafleet.adapters.checkpoint import CheckpointError, TrainingState, read_t
 from lorafleet.adapters.peft_io import export_peft
 from lorafleet.interfaces import Trainer
 from lorafleet.server import faults
-from lorafleet.server.deletion import remove_tree
+from lorafleet.server.deletion import prune_empty_parents, remove_tree
 from lorafleet.server.errors import UserError
 from lorafleet.server.external_weights import write_export
 from lorafleet.server.live_models import LiveModel
-from lorafleet.server.paths import TinkerPath, checkpoint_dir, dir_size
+from lorafleet.server.paths import TENANTS_DIR, TinkerPath, checkpoint_dir, dir_size
 from lorafleet.server.payloads import SaveArgs, SaveExternalArgs, SaveSamplerArgs
 from lorafleet.server.publishing import VersionPublisher
 from lorafleet.server.redact import exception_text
@@ -139,6 +139,7 @@ class CheckpointFiles:
         self.publisher.retire_checkpoint(checkpoint.tinker_path)
         self.store.delete_checkpoint(checkpoint.tinker_path)
         remove_tree(Path(checkpoint.dir))
+        prune_empty_parents(Path(checkpoint.dir), self.data_dir / TENANTS_DIR)
 
     def _row(
         self,

@@ -32,6 +32,10 @@ class ApiError(Exception):
     def body(self) -> dict[str, str]:
         return {"error": self.message, "category": self.category}
 
+    def headers(self) -> dict[str, str]:
+        """Response headers besides the body (Retry-After on a 429, say)."""
+        return {}
+
 
 class UserError(ApiError):
     """Bad input: the client must change the request."""

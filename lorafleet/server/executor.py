@@ -7,7 +7,8 @@ arrive already parsed (requests.py); each is validated against the engine before
 request fails alone.
 
 The `Executor` loads the base, builds the engines and composes the parts that use them, one job
-each: `LiveModels` (which model holds which trainer slot), `AdapterSetup` (adapters into slots),
+each: `LiveModels` (which run holds which trainer slot; slots are a cache, runs page out to
+host memory and disk), `AdapterSetup` (adapters into slots),
 `CheckpointFiles` (checkpoints on disk), `VersionPublisher` (sampler versions, canary and
 ephemeral retention), `TrainBatches` and `SampleBatches` (ops as engine batches). It dispatches
 the scheduler's calls to them.
@@ -16,23 +17,24 @@ the scheduler's calls to them.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from lorafleet.engines import EngineConfig, build_engines
-from lorafleet.interfaces import EngineSet
+from lorafleet.interfaces import EngineSet, PagingReport
 from lorafleet.model.loader import load_base
 from lorafleet.server import ids
 from lorafleet.server.adapter_setup import AdapterSetup
 from lorafleet.server.checkpoint_files import CheckpointFiles
 from lorafleet.server.errors import ApiError, UserError
 from lorafleet.server.futures import Result
-from lorafleet.server.live_models import LiveModels
+from lorafleet.server.live_models import PAGED_DIR, LiveModels
 from lorafleet.server.payloads import SaveArgs, SaveExternalArgs, SaveSamplerArgs
 from lorafleet.server.publishing import VersionPublisher
 from lorafleet.server.retention import EphemeralRetention
 from lorafleet.server.sample_batches import SampleBatches
-from lorafleet.server.scheduler import Op, PendingSample
+from lorafleet.server.scheduler import Op, Partial, PendingSample, TrainChunk
 from lorafleet.server.store import CheckpointRow, SamplingSessionRow, Store
 from lorafleet.server.target_sets import TargetSets
 from lorafleet.server.train_batches import TrainBatches
@@ -50,8 +52,15 @@ class Executor:
         data_dir: Path,
         *,
         torch_threads: int | None = None,
+        has_work: Callable[[str], bool] | None = None,
+        max_resident: Callable[[str], int | None] | None = None,
+        share_weight: Callable[[str], float] = lambda tenant: 1.0,
     ):
-        """`torch_threads`: as the worker thread sees them (reported in stats)."""
+        """`torch_threads`: as the worker thread sees them (reported in stats). `has_work`:
+        the scheduler's answer to "does this model have queued or running work" (paging keeps
+        such runs in their slots longest). `max_resident`: a tenant's `resident_runs` quota,
+        which paging keeps it to. `share_weight`: a tenant's fair-share weight, which
+        its sample rows get in the sampler's admission."""
         self.config = config
         self.store = store
         self.data_dir = data_dir
@@ -69,7 +78,15 @@ class Executor:
         self.sampler = self.engines.sampler
         self.versions = self.engines.versions
 
-        self.live = LiveModels(store, self.trainer, config.max_adapters)
+        self.live = LiveModels(
+            store,
+            self.trainer,
+            config.max_adapters,
+            paged_dir=data_dir / PAGED_DIR,
+            warm_bytes=config.warm_bytes,
+            has_work=has_work,
+            max_resident=max_resident,
+        )
         self.publisher = VersionPublisher(
             self.trainer,
             self.sampler,
@@ -81,7 +98,7 @@ class Executor:
         )
         self.adapters = AdapterSetup(self.trainer, targets, self.live, self.checkpoints)
         self.train_batches = TrainBatches(self.trainer, self.live)
-        self.sample_batches = SampleBatches(self.sampler, store, self.publisher)
+        self.sample_batches = SampleBatches(self.sampler, store, self.publisher, share_weight)
 
     # ================================================================== control ops
     def run_control(self, op: Op) -> Result:
@@ -153,11 +170,13 @@ class Executor:
         self.checkpoints.delete(checkpoint)
 
     # ================================================================== batches
-    def run_train(self, ops: list[Op]) -> list[Result]:
-        return self.train_batches.forward_backward(ops)
+    def run_train(self, chunks: list[TrainChunk]) -> list[Result | Partial]:
+        with self.live.hold(c.op.model_id for c in chunks):  # the batch's runs stay in their slots
+            return self.train_batches.forward_backward(chunks)
 
     def run_optim(self, ops: list[Op]) -> list[Result]:
-        return self.train_batches.optim_step(ops)
+        with self.live.hold(op.model_id for op in ops):
+            return self.train_batches.optim_step(ops)
 
     def run_sample(self, ops: list[Op]) -> list[Result]:
         return self.sample_batches.run(ops)
@@ -181,5 +200,12 @@ class Executor:
             "sampler_versions_resident": len(self.versions.resident()),
             # deleted, overwritten or past retention while in use: dropped after their samples
             "sampler_versions_retiring": len(self.versions.retiring()),
+            # trainer slots and sampler slots are caches under one policy (model/paging.py)
+            "paging": {
+                "training": self.live.paging(),
+                "sampler": self.versions.paging()
+                if isinstance(self.versions, PagingReport)
+                else None,
+            },
             "torch_threads": self.torch_threads,
         }

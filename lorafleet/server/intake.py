@@ -5,6 +5,11 @@ different request under a used seq_id is a conflict. Once a request names a mode
 owns and a seq_id, it takes that seq_id's place in the model's order even if its content is bad:
 it becomes a future that fails with a user error. Refusing it at the door would leave a gap that
 the model's later requests wait on.
+
+Two refusals happen at the door all the same, before anything is recorded: over one of the
+tenant's quotas (403, quotas.py; an ordered request's seq_id still takes its place, as a failed
+operation, since the SDK does not retry a 403) and past the queue bound (429, admission.py; the
+seq_id is not recorded, because the SDK retries a 429 with the same one).
 """
 
 from __future__ import annotations
@@ -13,10 +18,12 @@ from collections.abc import Callable
 from typing import Any
 
 from lorafleet.server import ids
+from lorafleet.server.admission import Admission
 from lorafleet.server.auth import Tenant
 from lorafleet.server.errors import ApiError, Conflict, UserError
 from lorafleet.server.futures import FutureTable, Result
 from lorafleet.server.ownership import Ownership
+from lorafleet.server.quotas import QuotaExceeded, Quotas
 from lorafleet.server.scheduler import Op, Scheduler
 from lorafleet.server.store import Store
 
@@ -40,14 +47,21 @@ class Intake:
         scheduler: Scheduler,
         ownership: Ownership,
         before_submit: Callable[[], None],
+        *,
+        admission: Admission | None = None,
+        quotas: Quotas | None = None,
     ):
         """`before_submit` runs at the start of every submission: the service's periodic
-        maintenance rides on incoming work rather than on a timer thread of its own."""
+        maintenance rides on incoming work rather than on a timer thread of its own.
+        `admission` bounds the queued requests (429 past it), `quotas` refuses a request over
+        one of its tenant's quotas (403); both decide before anything is recorded."""
         self.store = store
         self.futures = futures
         self.scheduler = scheduler
         self.ownership = ownership
         self.before_submit = before_submit
+        self.admission = admission
+        self.quotas = quotas
 
     def check_new_model(self, model_id: str) -> None:
         """A create under an id that already names a model is a conflict, unless it is a retry
@@ -87,10 +101,46 @@ class Intake:
             if prior is not None:
                 return promise(prior, model_id)
         request_id = ids.new_request_id()
-        self.futures.create(
-            request_id, tenant.id, kind=kind, scope=scope, seq_id=seq_id, fingerprint=fingerprint
-        )
-        if isinstance(payload, ApiError) and not ordered:
+        failed_now = isinstance(payload, ApiError) and not ordered
+        reserved: dict[str, float] = {}
+        if self.quotas is not None and not isinstance(payload, ApiError):
+            try:
+                reserved = self.quotas.check(tenant.id, kind, payload, model_id)
+            except QuotaExceeded as exc:
+                if ordered and model_id is not None and seq_id is not None:
+                    # The refusal still takes the seq_id's place (a failed operation), so the
+                    # model's later requests do not wait on a gap for a call never retried.
+                    self.submit(
+                        tenant,
+                        kind,
+                        exc,
+                        fingerprint=fingerprint,
+                        model_id=model_id,
+                        scope=scope,
+                        seq_id=seq_id,
+                    )
+                raise
+        if self.admission is not None and not failed_now:
+            limit = (
+                None if self.quotas is None else self.quotas.tenancy.quotas(tenant.id).queued_ops
+            )
+            self.admission.admit(
+                tenant.id, request_id, model_id, seq_id if ordered else None, limit, reserved
+            )
+        try:
+            self.futures.create(
+                request_id,
+                tenant.id,
+                kind=kind,
+                scope=scope,
+                seq_id=seq_id,
+                fingerprint=fingerprint,
+            )
+        except BaseException:
+            if self.admission is not None:
+                self.admission.release(request_id)
+            raise
+        if failed_now:
             self.futures.complete(request_id, Result.error(payload))
         else:
             op_kind = "fail" if isinstance(payload, ApiError) else kind

@@ -88,13 +88,19 @@ class ServerThread:
 
 
 def serve(config: ServerConfig, *, log_level: str = "info") -> None:
-    """Blocks until interrupted (SIGINT/SIGTERM, handled by uvicorn)."""
+    """Blocks until interrupted (SIGINT/SIGTERM, handled by uvicorn); SIGHUP reloads the
+    tenants file (`Service.request_reload`)."""
     warn_if_exposed(config.host)
     service = Service(config)  # loads the model on its engine thread
     # uvicorn shuts down gracefully on SIGINT/SIGTERM and then re-raises the signal to whatever
     # handler was there before; make that handler a normal exit so the engine and the database
     # are closed below rather than the process being killed mid-way.
     previous = {sig: signal.signal(sig, _exit_cleanly) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # SIGHUP reloads the tenants file. uvicorn leaves this signal alone; the handler runs on
+    # the main thread, inside uvicorn's event loop, so it only wakes the reload thread.
+    previous[signal.SIGHUP] = signal.signal(
+        signal.SIGHUP, lambda _signum, _frame: service.request_reload()
+    )
     try:
         uvicorn.Server(_uvicorn_config(service, config, log_level)).run()
     except SystemExit as exc:

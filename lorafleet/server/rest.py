@@ -19,6 +19,7 @@ from lorafleet.server.errors import Conflict, NotFound, UserError
 from lorafleet.server.external_weights import export_files
 from lorafleet.server.ownership import Ownership
 from lorafleet.server.paths import TinkerPath, checkpoint_dir, dir_size, parse_tinker_path
+from lorafleet.server.quotas import Quotas
 from lorafleet.server.redact import exception_text
 from lorafleet.server.served import ServedBase
 from lorafleet.server.signed_urls import UrlSigner
@@ -48,7 +49,10 @@ class Rest:
         served: ServedBase,
         signer: UrlSigner,
         data_dir: Path,
+        quotas: Quotas | None = None,
     ):
+        """`quotas`: a copy is a new checkpoint, so it counts against checkpoint storage."""
+        self.quotas = quotas
         self.store = store
         self.ownership = ownership
         self.engine = engine
@@ -222,6 +226,8 @@ class Rest:
                 "sampler checkpoint it came from"
             )
         source = self.ownership.readable_checkpoint(tenant, source_path)
+        if self.quotas is not None:
+            self.quotas.check_storage(tenant.id, source.size_bytes or 0)
         if source.tenant != tenant.id and source.kind == "training":
             raise UserError(
                 f"{source_path} is another tenant's training checkpoint: a copy would hold its "

@@ -2,10 +2,12 @@
 checkpoint's current version, registered again from its files if the sampler let it go; an
 ephemeral one past retention is a user error), then the requests go to the sampler together,
 either run to completion (`run`) or queued into its running batch (`start`, then `step`), each
-under its tenant's share key so that admission takes turns between tenants."""
+under its tenant's share key and weight so that admission takes turns between tenants by the
+same shares as the training rounds (fair_share.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -45,8 +47,15 @@ def _result(output: SampleResult, args: SampleArgs) -> Result:
 
 
 class SampleBatches:
-    def __init__(self, sampler: Sampler, store: Store, publisher: VersionPublisher):
+    def __init__(
+        self,
+        sampler: Sampler,
+        store: Store,
+        publisher: VersionPublisher,
+        share_weight: Callable[[str], float] = lambda tenant: 1.0,
+    ):
         self.sampler = sampler
+        self.share_weight = share_weight  # a tenant's fair-share weight (tenant config)
         self.store = store
         self.publisher = publisher  # which version of a checkpoint or ephemeral save is current
         self.ephemeral_limit = publisher.ephemeral_limit  # named in the error for one that is gone
@@ -92,6 +101,7 @@ class SampleBatches:
                 adapter=key,
                 num_samples=args.num_samples,
                 share_key=op.tenant,  # admission takes turns between tenants
+                share_weight=self.share_weight(op.tenant),
                 prompt_logprobs=args.prompt_logprobs,
                 topk_prompt_logprobs=args.topk_prompt,
                 topk_sample_logprobs=args.topk_sample,

@@ -5,8 +5,11 @@ order (the first one last, on purpose), so an operation runs only when every low
 model has run. Across models there is no order, which is what lets one round of the worker do:
 
 1. control operations (create, save, load, failures) at the head of their model's queue;
-2. ONE mixed forward/backward over every model whose head is forward/forward_backward work
-   (consecutive chunks of the same model join the same batch);
+2. ONE mixed forward/backward over the forward/forward_backward work that fair share picks
+   (fair_share.py): at most `round_token_budget` tokens, tenants taking turns by weighted deficit
+   round-robin, a call too large for its tenant's turn running in chunks of its datums over
+   several rounds (its gradients accumulate in the slot, as Tinker's calls do until optim_step;
+   its result is combined once the last chunk ran, and the model's later seq_ids wait for that);
 3. ONE optimizer call for every model whose head is now an optim_step (the fwd/bwd just run
    usually put it there);
 4. new samples join the sampler's running batch (continuous batching: requests that arrive
@@ -31,7 +34,7 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -39,6 +42,7 @@ from typing import Any, Protocol, TypeVar
 from lorafleet.server import disk
 from lorafleet.server.disk import DiskGuard
 from lorafleet.server.errors import ServerFault, UserError
+from lorafleet.server.fair_share import DeficitRoundRobin, Work
 from lorafleet.server.futures import FutureTable, Result
 from lorafleet.server.redact import internal_error
 
@@ -59,6 +63,12 @@ consecutive; a seq_id further ahead is a client bug or abuse, and would sit in m
 the gap timeout."""
 SKIPPED_REMEMBERED = 64
 """Skipped seq_ids remembered per model, so that one arriving late is told why it is refused."""
+DEFAULT_ROUND_TOKENS = 512
+"""Tokens of forward(_backward) work one round runs (ServerConfig.round_token_budget,
+`--round-token-budget`). A round is what another tenant's step may wait behind, so it bounds
+that wait; fewer tokens cost more rounds' fixed overhead. 512 suits the tiny CPU models; an
+accelerator running a real model wants many times more."""
+STATS_WINDOW_S = 10.0  # rounds per second and tokens per round are over this much recent time
 
 
 @dataclass(eq=False)
@@ -88,12 +98,51 @@ class PendingSample:
         return self.convert(self.future.result())
 
 
+@dataclass(frozen=True)
+class TrainChunk:
+    """Datums [start, stop) of a forward(_backward) op with `total` datums. `earlier` holds
+    what the executor returned (`Partial.value`) for the op's chunks before this one; the last
+    chunk's Result combines them with its own."""
+
+    op: Op
+    start: int
+    stop: int
+    total: int
+    tokens: int = 0  # of datums [start, stop)
+    earlier: tuple[object, ...] = ()
+
+    @property
+    def last(self) -> bool:
+        return self.stop >= self.total
+
+
+@dataclass(frozen=True)
+class Partial:
+    """A chunk that ran, not the op's last one: its output, kept until the last chunk."""
+
+    value: object
+
+
+@dataclass
+class _TrainProgress:
+    sizes: tuple[int, ...]  # tokens of each datum
+    queued_round: int  # rounds begun when it was submitted
+    done: int = 0  # datums already taken
+    outputs: list[object] = field(default_factory=list)  # Partial values of the chunks run
+
+
+def one_datum(op: Op) -> list[int]:
+    """The default measure of a training op: one datum of one token (a scheduler without a
+    real measure, in tests, runs every call whole)."""
+    return [1]
+
+
 class Executor(Protocol):
-    """What the scheduler drives; each method returns one Result per op, in order."""
+    """What the scheduler drives; each method returns one Result per op (or chunk), in order."""
 
     def run_control(self, op: Op) -> Result: ...
 
-    def run_train(self, ops: list[Op]) -> list[Result]: ...
+    def run_train(self, chunks: list[TrainChunk]) -> list[Result | Partial]: ...
 
     def run_optim(self, ops: list[Op]) -> list[Result]: ...
 
@@ -103,6 +152,10 @@ class Executor(Protocol):
 
 
 E = TypeVar("E", bound=Executor)
+WorkHook = Callable[[str, list[tuple[Op, int]], float, list[tuple[Op, Result]]], None]
+"""(batch kind, each op in the batch with the tokens it ran there (0: not a token measure), the
+batch's wall seconds, the ops it finished with their results): called on the worker after each
+engine batch, before the results are handed out."""
 
 
 @dataclass
@@ -115,6 +168,11 @@ class Stats:
     failed: Counter[str] = field(default_factory=Counter)
     round_errors: int = 0  # exceptions that escaped a round (its ops failed, the worker went on)
     max_batch_clients: Counter[str] = field(default_factory=Counter)
+    train_tokens: int = 0  # datum tokens run in forward(_backward) batches
+    split_ops: int = 0  # forward(_backward) calls run in more than one chunk
+    chunks: int = 0  # their chunks
+    # tenant -> the most rounds one of its forward(_backward) calls waited, submission to result
+    train_wait_rounds: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -126,6 +184,10 @@ class Stats:
             "requests": dict(self.requests),
             "failed": dict(self.failed),
             "round_errors": self.round_errors,
+            "train_tokens": self.train_tokens,
+            "split_ops": self.split_ops,
+            "chunks": self.chunks,
+            "train_wait_rounds": dict(self.train_wait_rounds),
         }
 
 
@@ -142,10 +204,37 @@ class Scheduler:
         sample_slice_s: float = 0.5,
         disk_guard: DiskGuard | None = None,
         stall_s: float = 600.0,
+        round_token_budget: int = DEFAULT_ROUND_TOKENS,
+        quantum: int | None = None,
+        weight_of: Callable[[str], float] = lambda tenant: 1.0,
+        op_sizes: Callable[[Op], Sequence[int]] = one_datum,
+        max_round_models: int | None = None,
+        on_work: WorkHook | None = None,
     ):
         """`stall_s`: how long one round may run, or queued work wait for one, before
-        `liveness()` calls the engine stalled."""
+        `liveness()` calls the engine stalled. Fair share (fair_share.py): a round runs at most
+        `round_token_budget` tokens of forward(_backward) work, a tenant's turn adds `quantum`
+        (default a quarter of the budget) times its `weight_of` relative to the heaviest waiting
+        tenant, `op_sizes` gives the tokens of each datum of a training op (measured once, when
+        it is submitted), and a round touches at most `max_round_models` models."""
+        if not isinstance(round_token_budget, int) or round_token_budget < 1:
+            raise ValueError(
+                f"round_token_budget must be a positive number of tokens, got {round_token_budget!r}"
+            )
+        if max_round_models is not None and max_round_models < 1:
+            raise ValueError(f"max_round_models must be >= 1, got {max_round_models!r}")
+        self.round_token_budget = round_token_budget
+        self.max_round_models = max_round_models
+        self.weight_of = weight_of
+        self.op_sizes = op_sizes
+        self.fair = DeficitRoundRobin(
+            max(1, round_token_budget // 4) if quantum is None else quantum, weight_of
+        )
+        # request id -> the progress of its queued training op
+        self._train: dict[str, _TrainProgress] = {}
+        self._recent: deque[tuple[float, int]] = deque()  # (round end, its training tokens)
         self.futures = futures
+        self.on_work = on_work  # metering.Metering.on_work: told of every engine batch
         self.disk_guard = disk_guard
         self.stall_s = stall_s
         self._round_began: float | None = None  # monotonic; None between rounds
@@ -218,6 +307,18 @@ class Scheduler:
 
     def submit(self, op: Op) -> None:
         error: UserError | ServerFault | None = None
+        progress: _TrainProgress | None = None
+        if op.kind in TRAIN_KINDS and op.seq_id is not None:
+            try:
+                # An op without datums still takes a turn (one token), to fail in its order.
+                sizes = tuple(max(1, int(n)) for n in self.op_sizes(op)) or (1,)
+                progress = _TrainProgress(sizes, self.stats.rounds)
+            except Exception as exc:  # the op fails with the error; the server goes on
+                log.exception("could not measure %s %s", op.kind, op.request_id)
+                self._finish(
+                    op, Result.error(ServerFault(internal_error("measuring the request", exc)))
+                )
+                return
         with self._cond:
             if self._died:
                 error = ServerFault(ENGINE_DEAD)
@@ -245,6 +346,8 @@ class Scheduler:
                     )
                 else:
                     self._queues.setdefault(op.model_id, {})[op.seq_id] = op
+                    if progress is not None:
+                        self._train[op.request_id] = progress
             self._cond.notify_all()
         if error is not None:
             self._finish(op, Result.error(error))
@@ -265,6 +368,16 @@ class Scheduler:
     def pending(self) -> int:
         with self._cond:
             return len(self._unordered) + sum(len(q) for q in self._queues.values())
+
+    def has_work(self, model_id: str) -> bool:
+        """Whether `model_id` has an op queued (in order or behind a gap) or taken into the
+        running round: the paging policy (live_models.py) evicts such a run last."""
+        with self._cond:
+            if self._queues.get(model_id):
+                return True
+            return any(op.model_id == model_id for op in self._in_round.values()) or any(
+                op.model_id == model_id for op in self._unordered
+            )
 
     # ------------------------------------------------------------------ the worker
     def _ready(self) -> bool:
@@ -337,6 +450,7 @@ class Scheduler:
             self._stopping = True
             ops = [op for q in self._queues.values() for op in q.values()] + self._unordered
             ops += list(self._in_round.values()) + [op for op, _ in self._sampling]
+            ops = list({op.request_id: op for op in ops}.values())  # a split op is in both
             self._queues = {m: {} for m in self._queues}
             self._unordered, self._sampling, self._in_round = [], [], {}
             calls, self._calls = self._calls, []
@@ -359,6 +473,8 @@ class Scheduler:
             with self._cond:
                 ops = list(self._in_round.values()) + [op for op, _ in self._sampling]
                 self._in_round, self._sampling = {}, []
+                for op in ops:
+                    self._dequeue(op)  # a split call's chunk: the call fails as a whole
             error = self._failure("running the request", exc)
             for op in ops:
                 self._finish(op, error)
@@ -394,10 +510,13 @@ class Scheduler:
 
         for op in self._take_control():
             self._run_group("control", [op], lambda ops: [self._run_control(executor, ops[0])])
-        train = self._take_heads(lambda kind: kind in TRAIN_KINDS, consecutive=True)
+        train = self._take_train()
         if train:
-            self._run_group("forward_backward", train, executor.run_train)
-        optim = self._take_heads(lambda kind: kind == OPTIM_KIND, consecutive=False)
+            self._run_train(executor, train)
+        self._note_round(sum(c.tokens for c in train))
+        optim = self._take_heads(
+            lambda kind: kind == OPTIM_KIND, consecutive=False, models=self.max_round_models
+        )
         if optim:
             self._run_group("optim_step", optim, executor.run_optim)
         with self._cond:
@@ -435,6 +554,8 @@ class Scheduler:
         New sample requests end the slice at once, so that they join the batch quickly."""
         deadline = time.monotonic() + self.sample_slice_s
         while self._sampling:
+            began = time.monotonic()
+            running = [(op, 0) for op, _ in self._sampling]
             try:
                 progressed = executor.step_sampler()
             except Exception:
@@ -443,11 +564,15 @@ class Scheduler:
                 )
                 progressed = True  # the engine failed the running requests' futures
             still: list[tuple[Op, PendingSample]] = []
+            done: list[tuple[Op, Result]] = []
             for op, pending in self._sampling:
                 if pending.future.done():
-                    self._finish(op, pending.finish())
+                    done.append((op, pending.finish()))
                 else:
                     still.append((op, pending))
+            self._report_work("sample", running, time.monotonic() - began, done)
+            for op, result in done:
+                self._finish(op, result)
             self._sampling = still
             if not progressed and still:
                 for op, _ in still:
@@ -474,12 +599,16 @@ class Scheduler:
         )
         return ops
 
-    def _take_heads(self, wanted: Callable[[str], bool], *, consecutive: bool) -> list[Op]:
+    def _take_heads(
+        self, wanted: Callable[[str], bool], *, consecutive: bool, models: int | None = None
+    ) -> list[Op]:
         """Pops each model's head op if `wanted` (and the wanted ops right after it, if
-        `consecutive`), advancing the model's next seq past them."""
+        `consecutive`), advancing the model's next seq past them; from at most `models` models."""
         taken: list[Op] = []
         with self._cond:
             for model_id, queue in self._queues.items():
+                if models is not None and len({op.model_id for op in taken}) >= models:
+                    break
                 seq = self._next_seq.get(model_id)
                 while seq is not None and seq in queue and wanted(queue[seq].kind):
                     taken.append(queue.pop(seq))
@@ -490,7 +619,181 @@ class Scheduler:
                         break
         return taken
 
+    def _take_train(self) -> list[TrainChunk]:
+        """The forward(_backward) work fair share picks for this round: each model's ready
+        training ops (its head and the training ops right after it), oldest head first within a
+        tenant. An op whose last datum is taken leaves its queue and advances the model's next
+        seq; one taken in part stays at the head, so nothing after it runs before it is done."""
+        with self._cond:
+            runs: list[tuple[float, str, list[Op]]] = []
+            for model_id, queue in self._queues.items():
+                seq = self._next_seq.get(model_id)
+                run: list[Op] = []
+                while seq is not None and seq in queue and queue[seq].kind in TRAIN_KINDS:
+                    run.append(queue[seq])
+                    seq += 1
+                if run:
+                    runs.append((run[0].submitted, model_id, run))
+            runs.sort(key=lambda r: (r[0], r[1]))
+            ready: dict[str, list[Work]] = {}
+            ops: dict[str, Op] = {}
+            for _, model_id, run in runs:
+                for op in run:
+                    progress = self._train[op.request_id]
+                    ready.setdefault(op.tenant, []).append(
+                        Work(op.request_id, model_id, progress.done, progress.sizes)
+                    )
+                    ops[op.request_id] = op
+            chunks: list[TrainChunk] = []
+            for take in self.fair.plan(ready, self.round_token_budget, self.max_round_models):
+                op = ops[take.key]
+                progress = self._train[take.key]
+                chunks.append(
+                    TrainChunk(
+                        op,
+                        take.start,
+                        take.stop,
+                        len(progress.sizes),
+                        take.tokens,
+                        tuple(progress.outputs),
+                    )
+                )
+                progress.done = take.stop
+                self._in_round[op.request_id] = op
+                if take.stop >= len(progress.sizes):
+                    self._dequeue(op)
+        return chunks
+
+    def _dequeue(self, op: Op) -> None:
+        """Takes `op` out of its model's queue, if there, past it the model's next seq (caller
+        holds the lock)."""
+        if op.model_id is None or op.seq_id is None:
+            return
+        queue = self._queues.get(op.model_id)
+        if queue is None or queue.get(op.seq_id) is not op:
+            return
+        del queue[op.seq_id]
+        if self._next_seq.get(op.model_id) == op.seq_id:
+            self._next_seq[op.model_id] = op.seq_id + 1
+
+    def _run_train(self, executor: Executor, chunks: list[TrainChunk]) -> None:
+        """Runs one round's chunks; a chunk that is not its op's last keeps its output for the
+        op's later chunks, and any chunk that fails fails its whole op (the rest never runs)."""
+        items: list[Result | Partial]
+        began = time.monotonic()
+        try:
+            items = executor.run_train(chunks)
+            if len(items) != len(chunks):
+                raise RuntimeError(
+                    f"forward_backward: executor returned {len(items)} results for {len(chunks)} chunks"
+                )
+        except Exception as exc:
+            if disk.is_disk_full(exc):
+                log.warning("forward_backward: the data disk is full (%s)", exc)
+            else:
+                log.exception("engine failure in forward_backward of %d chunk(s)", len(chunks))
+            items = [self._failure("running forward_backward", exc)] * len(chunks)
+        self._count_batch("forward_backward", [c.op for c in chunks])
+        self._report_work(
+            "forward_backward",
+            [(c.op, c.tokens) for c in chunks],
+            time.monotonic() - began,
+            [
+                (c.op, item)
+                for c, item in zip(chunks, items, strict=True)
+                if isinstance(item, Result) and (item.failed or c.last)
+            ],
+        )
+        self.stats.train_tokens += sum(c.tokens for c in chunks)
+        for chunk, item in zip(chunks, items, strict=True):
+            op = chunk.op
+            if chunk.start > 0 or not chunk.last:
+                self.stats.chunks += 1
+                self.stats.split_ops += chunk.start == 0
+            if isinstance(item, Partial) and not chunk.last:
+                with self._cond:
+                    progress = self._train.get(op.request_id)
+                    if progress is not None:
+                        progress.outputs.append(item.value)
+                    self._in_round.pop(op.request_id, None)
+                continue
+            if not isinstance(item, Result) or not (item.failed or chunk.last):
+                log.error(
+                    "the executor returned %s for chunk %d:%d of %s's %d datums",
+                    type(item).__name__,
+                    chunk.start,
+                    chunk.stop,
+                    op.request_id,
+                    chunk.total,
+                )
+                item = Result.error(ServerFault(internal_error("combining chunks", TypeError())))
+            if not chunk.last:
+                with self._cond:
+                    self._dequeue(op)
+            self._finish(op, item)
+
+    def _note_round(self, tokens: int) -> None:
+        now = time.monotonic()
+        with self._cond:
+            self._recent.append((now, tokens))
+            while self._recent and self._recent[0][0] < now - STATS_WINDOW_S:
+                self._recent.popleft()
+
+    def state(self) -> dict[str, Any]:
+        """What the operator sees of fair share: per tenant its queued operations, the tokens
+        of its queued training work, its weight and deficit, and its rows in the sampler's
+        batch; rounds per second and training tokens per round over the last
+        STATS_WINDOW_S seconds."""
+        now = time.monotonic()
+        with self._cond:
+            queued = [op for q in self._queues.values() for op in q.values()] + self._unordered
+            tenants: dict[str, dict[str, Any]] = {}
+            for op in queued:
+                entry = tenants.setdefault(op.tenant, {"queued_ops": 0, "queued_train_tokens": 0})
+                entry["queued_ops"] += 1
+                progress = self._train.get(op.request_id)
+                if progress is not None:
+                    entry["queued_train_tokens"] += sum(progress.sizes[progress.done :])
+            deficits = dict(self.fair.deficits)
+            order = self.fair.order()
+            recent = [(t, n) for t, n in self._recent if t >= now - STATS_WINDOW_S]
+        for op, _ in list(self._sampling):
+            entry = tenants.setdefault(op.tenant, {"queued_ops": 0, "queued_train_tokens": 0})
+            entry["sampling"] = entry.get("sampling", 0) + 1
+        for tenant, entry in tenants.items():
+            entry["weight"] = self.weight_of(tenant)
+            entry["deficit"] = deficits.get(tenant, 0.0)
+        trained = [n for _, n in recent if n > 0]
+        return {
+            "round_token_budget": self.round_token_budget,
+            "quantum": self.fair.quantum,
+            "max_round_models": self.max_round_models,
+            "turn_order": order,
+            "tenants": tenants,
+            "rounds_per_s": len(recent) / STATS_WINDOW_S,
+            "train_tokens_per_round": {
+                "mean": sum(trained) / len(trained) if trained else 0.0,
+                "max": max(trained, default=0),
+            },
+        }
+
+    def _report_work(
+        self,
+        kind: str,
+        work: list[tuple[Op, int]],
+        seconds: float,
+        finished: list[tuple[Op, Result]],
+    ) -> None:
+        """Metering; a failure there is logged and never fails the ops."""
+        if self.on_work is None:
+            return
+        try:
+            self.on_work(kind, work, seconds, finished)
+        except Exception:
+            log.exception("the work hook failed for a %s batch of %d op(s)", kind, len(work))
+
     def _run_group(self, name: str, ops: list[Op], run: Callable[[list[Op]], list[Result]]) -> None:
+        began = time.monotonic()
         try:
             results = run(ops)
             if len(results) != len(ops):
@@ -505,7 +808,9 @@ class Scheduler:
             results = [self._failure(f"running {name}", exc)] * len(ops)
         if name != "control":
             self._count_batch(name, ops)
-        for op, result in zip(ops, results, strict=True):
+        finished = list(zip(ops, results, strict=True))
+        self._report_work(name, [(op, 0) for op in ops], time.monotonic() - began, finished)
+        for op, result in finished:
             if op.kind in CREATE_KINDS and not result.failed and op.model_id is not None:
                 self.register_model(op.model_id)
             self._finish(op, result)
@@ -522,6 +827,12 @@ class Scheduler:
     def _finish(self, op: Op, result: Result) -> None:
         """Hands `result` to the op's future. Never raises: should recording it fail in a way
         the table did not handle, the client still gets an error from memory."""
+        with self._cond:
+            progress = self._train.pop(op.request_id, None)
+            if progress is not None:
+                waits = self.stats.train_wait_rounds
+                waited = self.stats.rounds - progress.queued_round
+                waits[op.tenant] = max(waits.get(op.tenant, 0), waited)
         try:
             self.stats.requests[op.kind] += 1
             if result.failed:

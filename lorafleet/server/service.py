@@ -16,6 +16,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
@@ -26,21 +27,27 @@ from lorafleet.engines import EngineConfig
 from lorafleet.fsio import ensure_private_dir
 from lorafleet.model.hub_cache import publish_tokenizer, tokenizer_name
 from lorafleet.server import health, recovery, schemas, views
-from lorafleet.server.auth import KeyRing, Tenant
+from lorafleet.server.admission import Admission
+from lorafleet.server.auth import Tenant
 from lorafleet.server.disk import DiskGuard
 from lorafleet.server.engine_calls import EngineCalls
 from lorafleet.server.executor import Executor
 from lorafleet.server.futures import JSON, FutureTable, Result
 from lorafleet.server.intake import Intake
+from lorafleet.server.metering import Metering
 from lorafleet.server.ownership import Ownership
+from lorafleet.server.quotas import Quotas
 from lorafleet.server.rest import Rest
 from lorafleet.server.sampling import Sampling
-from lorafleet.server.scheduler import Scheduler
+from lorafleet.server.scheduler import DEFAULT_ROUND_TOKENS, Scheduler
 from lorafleet.server.served import RequestLimits, ServedBase
 from lorafleet.server.sessions import Sessions
 from lorafleet.server.signed_urls import UrlSigner, load_or_create_secret
 from lorafleet.server.store import CheckpointRow, Store
+from lorafleet.server.tenants import Reloader, Tenancy, TenantsConfig, load_tenants_file
+from lorafleet.server.train_batches import datum_tokens
 from lorafleet.server.training import Training
+from lorafleet.server.usage import Usage
 
 log = logging.getLogger(__name__)
 
@@ -98,18 +105,46 @@ class ServerConfig:
     disk_reserve_bytes: int = 8 << 20
     # a round running, or ready work waiting, this long makes /healthz report the engine stalled
     engine_stall_s: float = 600.0
+    # fair share (fair_share.py): the tokens of forward(_backward) work one engine round runs;
+    # tenants take turns by weighted deficit round-robin and a bigger call runs in chunks over
+    # several rounds. Bounds how long another tenant's step waits behind a big call.
+    round_token_budget: int = DEFAULT_ROUND_TOKENS
+    # the tenants file (tenants.py): keys as hashes, weights, operators, quotas; reloaded on
+    # SIGHUP. Without one, `api_keys` are the tenants (weight 1, no quotas, no operator).
+    tenants_file: Path | None = None
+    # requests queued (admitted, not finished) in all; past it a request gets 429 + Retry-After
+    # (admission.py), which the SDK retries
+    max_queued_ops: int = 4096
+    queue_retry_after_s: float = 1.0
+    usage_flush_s: float = 5.0  # metering counts reach SQLite this often (metering.py)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def build_executor(config: ServerConfig, store: Store, data_dir: Path) -> Executor:
+def build_executor(
+    config: ServerConfig,
+    store: Store,
+    data_dir: Path,
+    has_work: Callable[[str], bool] | None = None,
+    share_weight: Callable[[str], float] = lambda tenant: 1.0,
+    max_resident: Callable[[str], int | None] | None = None,
+) -> Executor:
     """Runs on the engine worker thread: every torch op of the server, model loading
-    included, happens on that one thread (see scheduler.py on why)."""
+    included, happens on that one thread (see scheduler.py on why). `has_work`: the
+    scheduler's, for the paging policy (live_models.py)."""
     import torch
 
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)  # per thread for OpenMP: must run on the worker
     engine = config.engine or EngineConfig(base_model=config.base_model)
-    return Executor(engine, store, data_dir, torch_threads=torch.get_num_threads())
+    return Executor(
+        engine,
+        store,
+        data_dir,
+        torch_threads=torch.get_num_threads(),
+        has_work=has_work,
+        share_weight=share_weight,
+        max_resident=max_resident,
+    )
 
 
 def request_limits(config: ServerConfig) -> RequestLimits:
@@ -179,7 +214,12 @@ class Service:
         except BaseException:
             self.store.close()
             raise
-        self.keys = KeyRing(config.api_keys)
+        try:
+            self.tenancy = _tenancy(config)
+        except BaseException:
+            self.store.close()
+            raise
+        self.metering = Metering(self.store, flush_s=config.usage_flush_s)
         self.futures = FutureTable(
             self.store,
             memory_bytes=config.results_memory_bytes,
@@ -193,9 +233,23 @@ class Service:
             gap_timeout_s=config.gap_timeout_s,
             disk_guard=self.disk,
             stall_s=config.engine_stall_s,
+            round_token_budget=config.round_token_budget,
+            op_sizes=datum_tokens,
+            max_round_models=(
+                config.engine or EngineConfig(base_model=config.base_model)
+            ).max_adapters,
+            weight_of=self.tenancy.weight_of,
+            on_work=self.metering.on_work,
         )
         self.executor = self.scheduler.start(
-            lambda: build_executor(config, self.store, self.data_dir)
+            lambda: build_executor(
+                config,
+                self.store,
+                self.data_dir,
+                self.scheduler.has_work,
+                self.tenancy.weight_of,
+                self.tenancy.max_resident,  # resident_runs: kept by paging (live_models.py)
+            )
         ).result()
         self.served = served_base(self.executor, request_limits(config), config.tokenizer_cache)
         self.started_at = time.time()
@@ -208,7 +262,23 @@ class Service:
 
         engine = EngineCalls(self.scheduler, self.executor)
         ownership = Ownership(self.store)
-        intake = Intake(self.store, self.futures, self.scheduler, ownership, self._maybe_maintain)
+        self.admission = Admission(self.futures, config.max_queued_ops, config.queue_retry_after_s)
+        self.quotas = Quotas(
+            self.tenancy, self.store, self.metering, self.admission, self.served.context_length
+        )
+        # resident adapter-seconds: the runs in a trainer slot now (the others are paged out)
+        self.metering.resident = self.executor.live.hot_runs
+        self.metering.start()
+        self.reloader = Reloader(self.tenancy) if self.tenancy.path is not None else None
+        intake = Intake(
+            self.store,
+            self.futures,
+            self.scheduler,
+            ownership,
+            self._maybe_maintain,
+            admission=self.admission,
+            quotas=self.quotas,
+        )
         self.intake = intake  # the catch-all route records unknown calls' seq_ids through it
         signer = UrlSigner(load_or_create_secret(self.data_dir))  # download links (signed_urls.py)
         self.sessions = Sessions(self.store, ownership, engine, signer)
@@ -216,7 +286,17 @@ class Service:
             ownership, intake, self.served, max_body_bytes=config.max_body_bytes
         )
         self.sampling = Sampling(self.store, ownership, intake, self.served)
-        self.rest = Rest(self.store, ownership, engine, self.served, signer, self.data_dir)
+        self.rest = Rest(
+            self.store, ownership, engine, self.served, signer, self.data_dir, self.quotas
+        )
+        self.usage = Usage(
+            self.store,
+            self.metering,
+            self.tenancy,
+            self.admission,
+            self.quotas,
+            self.scheduler.stats.as_dict,
+        )
         self._engine = engine
         self._maintenance = threading.Thread(
             target=self._maintenance_loop, name="lorafleet-maintenance", daemon=True
@@ -303,13 +383,28 @@ class Service:
     def close(self) -> None:
         self._stop_maintenance.set()
         self._maintenance.join()
+        if self.reloader is not None:
+            self.reloader.close()
         self.futures.close()
         self.scheduler.stop()
         self.executor.close()
+        self.metering.close()  # after the worker: its last batches are counted
         self.store.close()
 
     def authenticate(self, key: str | None) -> Tenant:
-        return self.keys.authenticate(key)
+        return self.tenancy.current.keys.authenticate(key)
+
+    def reload_tenants(self) -> TenantsConfig:
+        """Reads the tenants file again (SIGHUP does this through `request_reload`); a file
+        that does not parse or validate raises TenantsFileError and the old config stays."""
+        return self.tenancy.reload()
+
+    def request_reload(self) -> None:
+        """Safe from a signal handler: the reload runs on its own thread (tenants.Reloader)."""
+        if self.reloader is None:
+            log.warning("SIGHUP: this server has no tenants file to reload (it uses API keys)")
+            return
+        self.reloader.request()
 
     async def retrieve(self, tenant: Tenant, body: Any) -> Result | None:
         req = schemas.parse(schemas.RetrieveFuture, body)
@@ -327,7 +422,31 @@ class Service:
             "disk": self.disk.state(),
             "disk_full_episodes": self.disk.times_full,
             "pending_ops": self.scheduler.pending(),
+            "fair_share": self.scheduler.state(),
             "uptime_s": time.time() - self.started_at,
             "recovered": self.recovered,
             "maintenance_failures": self.maintenance_failures,
+            "queued_ops": self.admission.queued(),
+            "max_queued_ops": self.admission.max_queued_ops,
+            "queue_refused": self.admission.refused,
+            "quota_refused": self.quotas.refused,
+            "usage_flush_failures": self.metering.flush_failures,
+            "tenants": {
+                "count": len(self.tenancy.current.tenants),
+                "reloads": self.tenancy.reloads,
+                "reload_failures": self.tenancy.reload_failures,
+            },
         }
+
+
+def _tenancy(config: ServerConfig) -> Tenancy:
+    """The tenants file, or one tenant per API key; not both (which key would mean what)."""
+    if config.tenants_file is None:
+        return Tenancy(TenantsConfig.from_keys(config.api_keys))
+    if config.api_keys:
+        raise ValueError(
+            "api_keys and tenants_file were both given: with a tenants file, keys are listed there "
+            "(as sha256 hashes); unset $LORAFLEET_API_KEYS and drop --api-key-file"
+        )
+    path = Path(config.tenants_file).expanduser().resolve()
+    return Tenancy(load_tenants_file(path), path)

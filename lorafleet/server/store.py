@@ -28,8 +28,8 @@ from typing import Any
 
 from lorafleet.server import disk
 
-SCHEMA_VERSION = 2
-"""1: checkpoint dirs absolute; 2: relative to the data dir."""
+SCHEMA_VERSION = 3
+"""1: checkpoint dirs absolute; 2: relative to the data dir; 3: the usage table (metering)."""
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -84,6 +84,14 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     info TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS checkpoints_by_tenant ON checkpoints (tenant, model_id, created_at);
+CREATE TABLE IF NOT EXISTS usage (
+    tenant TEXT NOT NULL,
+    run TEXT NOT NULL,
+    day TEXT NOT NULL,
+    counter TEXT NOT NULL,
+    value REAL NOT NULL,
+    PRIMARY KEY (tenant, run, day, counter)
+);
 CREATE TABLE IF NOT EXISTS sampling_sessions (
     sampling_session_id TEXT PRIMARY KEY,
     tenant TEXT NOT NULL,
@@ -148,7 +156,21 @@ def _v1_relative_dirs(db: sqlite3.Connection) -> None:
         )
 
 
-_MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _v1_relative_dirs}
+_USAGE_TABLE = (
+    "CREATE TABLE IF NOT EXISTS usage (tenant TEXT NOT NULL, run TEXT NOT NULL, day TEXT NOT NULL, "
+    "counter TEXT NOT NULL, value REAL NOT NULL, PRIMARY KEY (tenant, run, day, counter))"
+)
+
+
+def _v2_usage_table(db: sqlite3.Connection) -> None:
+    """Metering (metering.py): one row per tenant, run, UTC day and counter."""
+    db.execute(_USAGE_TABLE)
+
+
+_MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
+    1: _v1_relative_dirs,
+    2: _v2_usage_table,
+}
 """schema version -> the step to the next one; all steps run in one transaction at open."""
 
 
@@ -532,9 +554,9 @@ class Store:
     def list_checkpoints(
         self, tenant: str, model_id: str | None = None, limit: int = 1000, offset: int = 0
     ) -> tuple[list[CheckpointRow], int]:
-        """Unexpired ones only: an expired checkpoint is gone for the client before maintenance
-        deletes it."""
-        where, args = "tenant=? AND (expires_at IS NULL OR expires_at > ?)", [tenant, time.time()]
+        """Expired ones too, until maintenance deletes them: the listing shows their past
+        `expires_at` (every load of one is refused), so the client sees why it is going."""
+        where, args = "tenant=?", [tenant]
         if model_id is not None:
             where += " AND model_id=?"
             args.append(model_id)
@@ -761,3 +783,103 @@ class Store:
             (model_id, kind, time.time()),
         )
         return None if row is None else self._checkpoint(row)
+
+    # ------------------------------------------------------------------ metering and quotas
+    def add_usage(self, rows: list[tuple[str, str, str, str, float]]) -> None:
+        """Adds (tenant, run, day, counter, amount) to the stored totals, all in one
+        transaction (metering flushes its counts in batches, not per request)."""
+        if not rows:
+            return
+        failure: sqlite3.OperationalError | None = None
+        with self._lock:
+            for remedy in (None, self._truncate_wal, self._on_disk_full):
+                if remedy is not None and not remedy():
+                    continue
+                try:
+                    with self._tx() as db:
+                        db.executemany(
+                            "INSERT INTO usage VALUES (?, ?, ?, ?, ?) ON CONFLICT (tenant, run, "
+                            "day, counter) DO UPDATE SET value = value + excluded.value",
+                            rows,
+                        )
+                    return
+                except sqlite3.OperationalError as exc:
+                    if not disk.is_disk_full(exc):
+                        raise
+                    failure = exc
+        raise disk.disk_full_error() from failure
+
+    def usage_rows(
+        self, tenant: str | None, since_day: str | None = None
+    ) -> list[tuple[str, str, str, str, float]]:
+        """(tenant, run, day, counter, value), a tenant's (None: everyone's), from `since_day`."""
+        where, args = "1=1", []
+        if tenant is not None:
+            where += " AND tenant=?"
+            args.append(tenant)
+        if since_day is not None:
+            where += " AND day>=?"
+            args.append(since_day)
+        rows = self._all(
+            f"SELECT tenant, run, day, counter, value FROM usage WHERE {where} "
+            "ORDER BY tenant, day, run, counter",
+            tuple(args),
+        )
+        return [(r[0], r[1], r[2], r[3], float(r[4])) for r in rows]
+
+    def usage_totals(self, tenant: str | None) -> list[tuple[str, str, str, float]]:
+        """(tenant, run, counter, value) over all days."""
+        where, args = ("tenant=?", (tenant,)) if tenant is not None else ("1=1", ())
+        rows = self._all(
+            f"SELECT tenant, run, counter, SUM(value) FROM usage WHERE {where} "
+            "GROUP BY tenant, run, counter ORDER BY tenant, run, counter",
+            args,
+        )
+        return [(r[0], r[1], r[2], float(r[3])) for r in rows]
+
+    def day_usage(self, day: str) -> list[tuple[str, str, float]]:
+        """(tenant, counter, value) of one day, summed over runs (the per-day quotas)."""
+        rows = self._all(
+            "SELECT tenant, counter, SUM(value) FROM usage WHERE day=? GROUP BY tenant, counter",
+            (day,),
+        )
+        return [(r[0], r[1], float(r[2])) for r in rows]
+
+    def registered_runs(self, tenant: str) -> int:
+        """The tenant's runs that hold or may page back into a slot: not unloaded, lost (a
+        restart), or the idle run a copy_weights made."""
+        row = self._one(
+            "SELECT COUNT(*) AS n FROM models WHERE tenant=? "
+            "AND status NOT IN ('unloaded', 'lost', 'copy')",
+            (tenant,),
+        )
+        return int(row["n"]) if row else 0
+
+    def storage_bytes(self, tenant: str | None = None) -> list[tuple[str, str, int]]:
+        """(tenant, run, bytes) of stored checkpoints, expired ones not yet deleted included
+        (they are on disk until maintenance deletes them)."""
+        where, args = ("tenant=?", (tenant,)) if tenant is not None else ("1=1", ())
+        rows = self._all(
+            f"SELECT tenant, model_id, COALESCE(SUM(size_bytes), 0) FROM checkpoints WHERE {where} "
+            "GROUP BY tenant, model_id ORDER BY tenant, model_id",
+            args,
+        )
+        return [(r[0], r[1], int(r[2])) for r in rows]
+
+    def checkpoint_size_estimate(self, model_id: str, kinds: tuple[str, ...], rank: int) -> int:
+        """What the next save of these kinds will likely take: the run's largest such
+        checkpoint, else the largest of any run of the same rank (sizes follow the LoRA shape),
+        else 0."""
+        marks = ", ".join("?" for _ in kinds)
+        row = self._one(
+            f"SELECT MAX(size_bytes) AS b FROM checkpoints WHERE model_id=? AND kind IN ({marks})",
+            (model_id, *kinds),
+        )
+        if row is not None and row["b"] is not None:
+            return int(row["b"])
+        row = self._one(
+            f"SELECT MAX(c.size_bytes) AS b FROM checkpoints c JOIN models m "
+            f"ON m.model_id = c.model_id WHERE c.kind IN ({marks}) AND m.lora_rank=?",
+            (*kinds, rank),
+        )
+        return int(row["b"]) if row is not None and row["b"] is not None else 0

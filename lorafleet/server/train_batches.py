@@ -1,33 +1,71 @@
-"""Training ops as engine batches: every ready forward(_backward) request in one mixed batch
+"""Training ops as engine batches: the round's forward(_backward) chunks in one mixed batch
 (forward-only and forward_backward apart), every ready optimizer step in one call.
 
 Each request is checked on its own first (`Trainer.prepare`), so a bad one fails alone; a batch
 that still fails is re-run request by request to find the culprit rather than failing its
-neighbours."""
+neighbours.
+
+A call fair share splits (scheduler.TrainChunk) is checked whole before its first chunk runs,
+so a bad datum anywhere fails it before any gradient accumulates. Each chunk's gradient
+accumulates in the slot as a separate call's would (losses are sums), and the last chunk's
+result puts every datum's log-probs in order and merges the per-datum metrics exactly as the
+unsplit call does."""
 
 from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
 
 from lorafleet.adapters.hparams import DimuonHParams, OptimHParams
 from lorafleet.interfaces import Trainer
 from lorafleet.server import faults, proto
-from lorafleet.server.errors import UserError
+from lorafleet.server.errors import ServerFault, UserError
 from lorafleet.server.futures import Result
 from lorafleet.server.live_models import LiveModels
 from lorafleet.server.redact import exception_text
-from lorafleet.server.scheduler import Op
-from lorafleet.train.engine import PreparedItem, TrainItem
+from lorafleet.server.scheduler import Op, Partial, TrainChunk
+from lorafleet.train.engine import ItemOutput, PreparedItem, TrainItem
 from lorafleet.train.losses import merge_metrics
 
+log = logging.getLogger(__name__)
+
 Group = list[tuple[int, list[PreparedItem]]]
-"""(index of the op, its prepared items), for the ops of one engine call."""
+"""(index of the chunk, its prepared items), for the chunks of one engine call."""
 
 
-def _user(exc: Exception, prefix: str = "") -> Result:
-    return Result.error(UserError(f"{prefix}{exception_text(exc)}"))
+@dataclass(frozen=True)
+class ChunkOutput:
+    """What a chunk that is not its call's last hands back: per datum, log-probs and metrics."""
+
+    logprobs: list[torch.Tensor]
+    metrics: list[dict[str, float]]
 
 
-def _every_result(results: list[Result | None]) -> list[Result]:
+def datum_tokens(op: Op) -> list[int]:
+    """The tokens of each datum of a forward(_backward) op: what fair share counts."""
+    call: proto.ForwardBackwardCall = op.payload
+    return [int(d.tokens.numel()) for d in call.data]
+
+
+def _user(exc: Exception, prefix: str = "", suffix: str = "") -> Result:
+    return Result.error(UserError(f"{prefix}{exception_text(exc)}{suffix}"))
+
+
+def _every_result(results: Sequence[Result | None]) -> list[Result]:
     return [r if r is not None else Result.error(UserError("request was not run")) for r in results]
+
+
+def _already_ran(chunk: TrainChunk) -> str:
+    """Said of a failed chunk whose call's earlier chunks already accumulated gradient."""
+    if chunk.start == 0 or chunk.op.kind != "forward_backward":
+        return ""
+    return (
+        f" (this call ran in chunks over several rounds; the gradient of its datums 0-{chunk.start - 1} "
+        "was already accumulated)"
+    )
 
 
 class TrainBatches:
@@ -35,19 +73,23 @@ class TrainBatches:
         self.trainer = trainer
         self.live = live
 
-    def forward_backward(self, ops: list[Op]) -> list[Result]:
-        results: list[Result | None] = [None] * len(ops)
+    def forward_backward(self, chunks: list[TrainChunk]) -> list[Result | Partial]:
+        results: list[Result | None] = [None] * len(chunks)
+        outputs: list[list[ItemOutput] | None] = [None] * len(chunks)
         groups: dict[bool, Group] = {False: [], True: []}
-        for i, op in enumerate(ops):
+        for i, chunk in enumerate(chunks):
+            op = chunk.op
             call: proto.ForwardBackwardCall = op.payload
             try:
                 live = self.live.get(op.model_id)
+                data = call.data if chunk.start == 0 else call.data[chunk.start : chunk.stop]
                 items = [
                     TrainItem(live.slot, d.tokens, call.loss_fn, d.loss_inputs, call.loss_config)
-                    for d in call.data
+                    for d in data
                 ]
-                groups[not call.forward_only].append((i, self.trainer.prepare(items)))
-            except UserError as exc:
+                prepared = self.trainer.prepare(items)  # a first chunk checks the whole call
+                groups[not call.forward_only].append((i, prepared[: chunk.stop - chunk.start]))
+            except (UserError, ServerFault) as exc:  # ServerFault: its state could not be paged in
                 results[i] = Result.error(exc)
             except ValueError as exc:
                 results[i] = _user(
@@ -55,38 +97,74 @@ class TrainBatches:
                 )
         for backward in (False, True):
             if groups[backward]:
-                self._run_items(groups[backward], backward, results)
-        return _every_result(results)
+                self._run_items(chunks, groups[backward], backward, results, outputs)
+        return [
+            self._chunk_result(chunk, mine) if mine is not None else _every_result([result])[0]
+            for chunk, mine, result in zip(chunks, outputs, results, strict=True)
+        ]
 
-    def _run_items(self, group: Group, backward: bool, results: list[Result | None]) -> None:
+    def _run_items(
+        self,
+        chunks: list[TrainChunk],
+        group: Group,
+        backward: bool,
+        results: list[Result | None],
+        outputs: list[list[ItemOutput] | None],
+    ) -> None:
         flat = [item for _, items in group for item in items]
         faults.point("forward_backward.begin")
         try:
             out = self.trainer.forward_backward(flat) if backward else self.trainer.forward(flat)
         except ValueError as exc:
             if len(group) == 1:
-                results[group[0][0]] = _user(exc, "forward_backward: " if backward else "forward: ")
+                index = group[0][0]
+                results[index] = _user(
+                    exc,
+                    "forward_backward: " if backward else "forward: ",
+                    _already_ran(chunks[index]),
+                )
                 return
             for single in group:  # find the request that fails; the others still run
-                self._run_items([single], backward, results)
+                self._run_items(chunks, [single], backward, results, outputs)
             return
         faults.point("forward_backward.end")
         start = 0
         for index, items in group:
-            mine = out.items[start : start + len(items)]
+            outputs[index] = out.items[start : start + len(items)]
             start += len(items)
-            metrics = merge_metrics(o.metrics for o in mine)
-            results[index] = Result.proto(
-                proto.forward_backward_output([o.logprobs for o in mine], metrics)
+
+    @staticmethod
+    def _chunk_result(chunk: TrainChunk, mine: list[ItemOutput]) -> Result | Partial:
+        """A chunk's own output, or for a call's last chunk the call's result: every datum's
+        log-probs in order and the per-datum metrics merged as the unsplit call merges them."""
+        own = ChunkOutput([o.logprobs for o in mine], [o.metrics for o in mine])
+        if not chunk.last:
+            return Partial(own)
+        logprobs: list[torch.Tensor] = []
+        metrics: list[dict[str, float]] = []
+        for earlier in [*chunk.earlier, own]:
+            if not isinstance(earlier, ChunkOutput):
+                break
+            logprobs += earlier.logprobs
+            metrics += earlier.metrics
+        if len(logprobs) != chunk.total:  # a bug: this call alone fails, its neighbours do not
+            log.error(
+                "%s: outputs of %d datums for a call of %d (its chunks' outputs: %s)",
+                chunk.op.request_id,
+                len(logprobs),
+                chunk.total,
+                [type(e).__name__ for e in chunk.earlier],
             )
+            return Result.error(ServerFault("internal error while combining the call's chunks"))
+        return Result.proto(proto.forward_backward_output(logprobs, merge_metrics(metrics)))
 
     def optim_step(self, ops: list[Op]) -> list[Result]:
         results: list[Result | None] = [None] * len(ops)
         by_slot: dict[int, tuple[int, OptimHParams]] = {}
         for i, op in enumerate(ops):
             try:
-                live = self.live.get(op.model_id)
-            except UserError as exc:
+                live = self.live.get(op.model_id)  # paged in first, if it was paged out
+            except (UserError, ServerFault) as exc:
                 results[i] = Result.error(exc)
                 continue
             sent = "dimuon" if isinstance(op.payload, DimuonHParams) else "adamw"

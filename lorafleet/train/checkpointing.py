@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 
 from lorafleet.adapters.checkpoint import (
     OPTIMIZER_MOMENTS,
@@ -26,10 +28,11 @@ from lorafleet.adapters.checkpoint import (
     write_training_state,
 )
 from lorafleet.adapters.hparams import DimuonHParams, OptimHParams
-from lorafleet.fsio import PathLike
+from lorafleet.fsio import PathLike, atomic_directory, atomic_save_safetensors
 from lorafleet.model.banks import BankSet
 from lorafleet.train.dimuon import BankDimuon
 from lorafleet.train.optim import BankAdamW
+from lorafleet.train.slot_state import SlotState
 
 BankOptimizer = BankAdamW | BankDimuon
 
@@ -43,9 +46,14 @@ __all__ = [
     "BankOptimizer",
     "apply_training_state",
     "optimizer_family",
+    "read_slot_state",
     "restore_training_state",
     "save_training_state",
+    "write_slot_state",
 ]
+
+SLOT_STATE_DIR = "state"  # the checkpoint, in the format above
+GRADIENT_NAME = "gradient.safetensors"  # the pending gradient, per layer like the weights
 
 
 def _check_optimizer(bank: BankSet, optimizer: BankOptimizer | None) -> None:
@@ -181,3 +189,90 @@ def apply_training_state(
         bank.free(slot)
         raise
     return slot
+
+
+# ------------------------------------------------------------------ a paged-out slot
+
+
+def write_slot_state(dest: PathLike, state: SlotState, *, bank: BankSet, base_model_id: str) -> int:
+    """Writes an exported slot (`TrainEngine.export_slot`) to `dest` atomically, as a training
+    checkpoint (`dest/state`) plus its pending gradient (`dest/gradient.safetensors`), which no
+    checkpoint holds; returns the bytes written. `bank` gives the row layout."""
+    spec = state.spec
+    assert spec.targets is not None  # resolved by the bank that exported it
+    targets = tuple(spec.targets)
+    what = f"paged adapter {dest}"
+    weights = split_row_exact(bank, state.params, spec.rank, targets, f"{what} weights")
+    moments = {
+        name: split_row_exact(bank, row, spec.rank, targets, f"{what} optimizer {name}")
+        for name, row in state.moments.items()
+    }
+    grads = None
+    if state.grads is not None:
+        grads = split_row_exact(bank, state.grads, spec.rank, targets, f"{what} gradient")
+    with atomic_directory(dest) as tmp:
+        write_training_state(
+            tmp / SLOT_STATE_DIR,
+            spec=spec,
+            base_model_id=base_model_id,
+            weights=weights,
+            moments=moments,
+            step=state.step,
+            hparams=state.hparams,
+            metadata={"pending_gradient": state.pending},
+            optimizer=state.optimizer,
+        )
+        if grads is not None:
+            tensors = {
+                f"{p}.{w}": t for p, (A, B) in grads.items() for w, t in (("A", A), ("B", B))
+            }
+            atomic_save_safetensors(tmp / GRADIENT_NAME, tensors, metadata={"format": "pt"})
+        written = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
+    return written
+
+
+def read_slot_state(src: PathLike, *, bank: BankSet, base_model_id: str) -> SlotState:
+    """Reads what `write_slot_state` wrote back into the bank's row layout (host rows)."""
+    src = Path(src)
+    state = read_training_state(src / SLOT_STATE_DIR)
+    where = src / SLOT_STATE_DIR
+    check_base_model(state, where, base_model_id)
+    check_fits(state, bank, where)
+    spec = state.spec
+    assert spec.targets is not None
+    if state.moments is None or state.step is None:
+        raise CheckpointError(f"{where}: a paged adapter must hold its optimizer state")
+    pending = state.metadata.get("pending_gradient")
+    if not isinstance(pending, bool):
+        raise CheckpointError(f"{where}: metadata pending_gradient must be a bool, got {pending!r}")
+    grads = None
+    grad_path = src / GRADIENT_NAME
+    if grad_path.is_file():
+        try:
+            raw = load_file(grad_path)
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"{grad_path}: not a readable safetensors file: {exc}") from exc
+        expected = {f"{p}.{w}" for p in spec.targets for w in ("A", "B")}
+        if set(raw) != expected:
+            raise CheckpointError(f"{grad_path}: tensors do not match the adapter's layers")
+        layers = {p: (raw[f"{p}.A"], raw[f"{p}.B"]) for p in spec.targets}
+        grads = _host_row(bank, layers, spec.rank, spec.targets)
+    return SlotState(
+        spec=spec,
+        optimizer=state.optimizer,
+        params=_host_row(bank, state.weights, spec.rank, spec.targets),
+        moments={
+            name: _host_row(bank, state.moments[name], spec.rank, spec.targets)
+            for name in OPTIMIZER_MOMENTS[state.optimizer]
+        },
+        step=state.step,
+        pending=pending,
+        grads=grads,
+        hparams=state.hparams,
+    )
+
+
+def _host_row(
+    bank: BankSet, tensors: LayerTensors, rank: int, targets: tuple[str, ...]
+) -> torch.Tensor:
+    return bank.join_row(tensors, rank, targets).cpu()

@@ -26,20 +26,27 @@ from typing import Any
 import torch
 from torch import nn
 
-from lorafleet.adapters.checkpoint import TrainingState, read_training_state
+from lorafleet.adapters.checkpoint import OPTIMIZER_MOMENTS, TrainingState, read_training_state
 from lorafleet.adapters.hparams import OPTIMIZERS, DimuonHParams, OptimHParams
 from lorafleet.adapters.peft_io import export_peft, import_peft
 from lorafleet.model.adapted import AdaptedModel
 from lorafleet.model.banks import AdapterSpec, BankSet
 from lorafleet.model.routing import Routing
 from lorafleet.train.canary_probe import trainer_canary_logprobs
-from lorafleet.train.checkpointing import BankOptimizer, apply_training_state, save_training_state
+from lorafleet.train.checkpointing import (
+    BankOptimizer,
+    apply_training_state,
+    read_slot_state,
+    save_training_state,
+    write_slot_state,
+)
 from lorafleet.train.dimuon import BankDimuon
 from lorafleet.train.items import ItemLimits, PreparedItem, TrainInputError, TrainItem
 from lorafleet.train.layout import Layout, Unit, build_layout, find_groups, plan_units, singles
 from lorafleet.train.loss_inputs import loss_targets
 from lorafleet.train.losses import compute_loss, gradient_mask, merge_metrics
 from lorafleet.train.optim import AdamHParams, BankAdamW
+from lorafleet.train.slot_state import SlotState, host_copy
 
 DEFAULT_TOKEN_BUDGET = 4096
 
@@ -131,6 +138,88 @@ class TrainEngine:
                 bank_optimizer.reset_slot(slot)
         self.hparams.pop(slot, None)
         self.families.pop(slot, None)
+
+    def export_slot(self, slot: int) -> SlotState:
+        """The adapter in `slot` with everything it carries (weights, optimizer moments and
+        step, hyper-parameters, a pending gradient) as host copies; the slot is untouched (the
+        caller frees it). `import_slot` puts it back bit for bit."""
+        info = self.bank.check_slot(slot)
+        family = self.families.get(slot, "adamw")
+        bank_optimizer = self._family_optimizer(family)
+        if bank_optimizer is None:
+            raise ValueError("this engine has no optimizer (inference only); nothing to page")
+        state = bank_optimizer.slot_state(slot)
+        grads = self.bank.grads
+        assert grads is not None  # an engine with an optimizer has a trainable bank
+        pending = bank_optimizer.has_pending_gradient(slot)
+        grad_row = host_copy(grads[slot]) if pending or bool(grads[slot].any()) else None
+        return SlotState(
+            spec=info.spec,
+            optimizer=family,
+            params=host_copy(self.bank.params[slot]),
+            moments={name: host_copy(state[name]) for name in OPTIMIZER_MOMENTS[family]},
+            step=int(state["step"]),
+            pending=pending,
+            grads=grad_row,
+            hparams=self.hparams.get(slot),
+        )
+
+    def import_slot(self, state: SlotState, slot: int | None = None) -> int:
+        """Puts an exported adapter into a free slot (any, or `slot`) exactly as it was; returns
+        the slot. The rows' shapes are checked before a slot is claimed; a state refused after
+        that (non-finite moments, say) frees it again."""
+        bank_optimizer = self._family_optimizer(state.optimizer)
+        if bank_optimizer is None:
+            raise ValueError("this engine has no optimizer (inference only); nothing to page")
+        rows = {"params": state.params, **state.moments}
+        if state.grads is not None:
+            rows["grads"] = state.grads
+        for name, row in rows.items():
+            if row.dtype != torch.float32 or tuple(row.shape) != (self.bank.row_size,):
+                raise ValueError(
+                    f"slot state {name!r} must be float32 ({self.bank.row_size},), got "
+                    f"{row.dtype} {tuple(row.shape)}"
+                )
+        if sorted(state.moments) != sorted(OPTIMIZER_MOMENTS[state.optimizer]):
+            raise ValueError(
+                f"{state.optimizer} slot state needs moments {list(OPTIMIZER_MOMENTS[state.optimizer])}, "
+                f"got {sorted(state.moments)}"
+            )
+        slot = self.bank.allocate(state.spec, slot, initialize=False)
+        grads = self.bank.grads
+        assert grads is not None
+        try:
+            with torch.no_grad():
+                self.bank.params[slot].copy_(state.params)
+                bank_optimizer.reset_slot(slot)
+                bank_optimizer.load_slot_state(
+                    slot,
+                    {
+                        **state.moments,
+                        "step": torch.tensor(state.step, dtype=torch.int64),
+                    },
+                )
+                if state.grads is not None:
+                    grads[slot].copy_(state.grads)
+            if state.pending:
+                bank_optimizer.note_gradient([slot])
+        except BaseException:
+            bank_optimizer.reset_slot(slot)
+            self.bank.free(slot)
+            raise
+        self.families[slot] = state.optimizer
+        if state.hparams is not None:
+            self.hparams[slot] = state.hparams
+        return slot
+
+    def write_slot(self, state: SlotState, dest: str | Path) -> int:
+        """Writes an exported slot to the directory `dest` (atomically, in the checkpoint
+        format plus its pending gradient); returns the bytes written."""
+        return write_slot_state(dest, state, bank=self.bank, base_model_id=self.base_model_id)
+
+    def read_slot(self, src: str | Path) -> SlotState:
+        """Reads what `write_slot` wrote, for `import_slot`."""
+        return read_slot_state(src, bank=self.bank, base_model_id=self.base_model_id)
 
     def optimizer_family(self, slot: int) -> str:
         """The optimizer family (`adapters.hparams.OPTIMIZERS`) the adapter in `slot` uses."""

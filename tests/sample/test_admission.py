@@ -74,6 +74,47 @@ def test_fair_queue_put_back_keeps_order_within_a_key():
     assert list(queue) == [0, 1, 2]
 
 
+def test_fair_queue_shares_rows_by_weight():
+    """Rows held / weight picks the key: weight 2 takes two rows for each of weight 1's."""
+    queue: FairQueue[str, int] = FairQueue()
+    for i in range(6):
+        queue.push("heavy", i, 2.0)
+        queue.push("light", 100 + i, 1.0)
+    held: dict[str, int] = {}
+    order = []
+    for _ in range(6):
+        picked = queue.pop(held, free=10, reserved=0)
+        assert picked is not None
+        held[picked[0]] = held.get(picked[0], 0) + 1
+        order.append(picked[0])
+    assert order == ["heavy", "light", "heavy", "light", "heavy", "heavy"]  # ties: turn order
+    assert held == {"heavy": 4, "light": 2}
+
+
+def test_the_engine_admits_rows_by_share_weight(stack):
+    colocated, key = stack
+    engine = SampleEngine(colocated.adapted, colocated.versions, max_rows=4, reserved_rows=0)
+    params = SamplingParams(max_tokens=2, temperature=1.0, seed=4, stop=[])
+
+    def first_step_rows(weight_a: float) -> list[int]:
+        engine.generate(
+            [
+                SampleRequest(PROMPT, params, key, 8, share_key="a", share_weight=weight_a),
+                SampleRequest(PROMPT, params, None, 8, share_key="b"),
+            ]
+        )
+        first = min(t.admitted_step for t in engine.last_traces)
+        return [
+            sum(t.request == r and t.admitted_step == first for t in engine.last_traces)
+            for r in (0, 1)
+        ]
+
+    assert first_step_rows(1.0) == [2, 2]
+    assert first_step_rows(3.0) == [3, 1]
+    bad = engine.generate([SampleRequest(PROMPT, params, None, 1, share_weight=0.0)])
+    assert bad[0].error is not None and "share_weight must be > 0, got 0.0" in bad[0].error.message
+
+
 def test_a_newcomers_short_request_does_not_wait_for_a_full_batch(stack):
     """FIFO admission made B's one short row wait until every one of A's rows had run."""
     colocated, key = stack

@@ -152,6 +152,13 @@ def test_evicted_versions_reload_from_files_with_the_same_outputs(tmp_path):
     stack.trainer.export_peft(slots[2], tmp_path / "late")
     stack.versions.set_path(k_mem, tmp_path / "late")
     assert run(stack, k_mem) == mem_out
+    # the shared paging counters (lorafleet.model.paging) saw all of it
+    paging = stack.versions.paging()
+    row = stack.versions.bank.row_size * 4
+    assert paging["page_outs"]["cold"] >= 3 and paging["dropped"] == 2
+    assert paging["page_ins"]["cold"] == 3 and paging["misses"] >= 4 and paging["hits"] >= 3
+    assert paging["bytes_held"]["hot"] == 2 * row  # two versions resident
+    assert paging["bytes_held"]["cold"] == row  # the third one with files, reloadable
 
 
 def test_registered_versions_load_on_demand_in_a_fresh_sampler(tmp_path):

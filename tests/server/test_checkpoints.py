@@ -116,3 +116,20 @@ def test_rest_listing_weights_info_and_delete(client_a, base_model, server):
     rest.delete_checkpoint_from_tinker_path(state).result()
     with pytest.raises(tinker.NotFoundError):
         client_a.create_training_client_from_state(state).result()
+
+
+def test_deleting_a_runs_last_checkpoint_frees_its_directory(client_a, base_model, server):
+    """The run's directory goes with its last checkpoint (and comes back with the next save)."""
+    tc = client_a.create_lora_training_client(base_model=base_model, rank=4, seed=24).result()
+    state = tc.save_state("only").result().path
+    sampler_path = tc.save_weights_for_sampler("only-w").result().path
+    store = server.service.store
+    run_dir = Path(store.get_checkpoint(state).dir).parent.parent
+    assert run_dir.is_dir()
+    rest = tinker.RestClient(base_url=server.base_url, api_key=KEY_A)
+    rest.delete_checkpoint_from_tinker_path(state).result()
+    assert run_dir.is_dir()  # the sampler checkpoint still lives there
+    rest.delete_checkpoint_from_tinker_path(sampler_path).result()
+    assert not run_dir.exists()
+    again = tc.save_state("again").result().path
+    assert Path(store.get_checkpoint(again).dir).is_dir()

@@ -27,7 +27,7 @@ from lorafleet.server import disk, health
 from lorafleet.server.disk import DiskGuard
 from lorafleet.server.errors import NotFound
 from lorafleet.server.futures import PROBLEM_LOST, FutureTable, Result
-from lorafleet.server.scheduler import ENGINE_DEAD, Op, PendingSample, Scheduler
+from lorafleet.server.scheduler import ENGINE_DEAD, Op, PendingSample, Scheduler, TrainChunk
 from lorafleet.server.store import Store
 from tests.server.conftest import KEY_B, connect, sl_datum
 
@@ -61,8 +61,8 @@ class _Engine:
             return None  # an executor bug: the scheduler itself then trips over it
         return Result.json({"path": f"tinker://{op.model_id}/weights/{op.request_id}"})
 
-    def run_train(self, ops: list[Op]) -> list[Result]:
-        return [Result.json({"ok": op.request_id}) for op in ops]
+    def run_train(self, chunks: list[TrainChunk]) -> list[Result]:
+        return [Result.json({"ok": c.op.request_id}) for c in chunks]
 
     def run_optim(self, ops: list[Op]) -> list[Result]:
         return [Result.json({"ok": op.request_id}) for op in ops]

@@ -1,4 +1,4 @@
-"""Adapter slots are a server resource: a full server says so, and closing a ServiceClient
+"""Adapter slots are a server resource: runs past them are paged, and closing a ServiceClient
 unloads its models (in-place load_state, the deprecated path, also works)."""
 
 from __future__ import annotations
@@ -7,8 +7,6 @@ import time
 import warnings
 
 import numpy as np
-import pytest
-import tinker
 from tinker import types
 
 from tests.server.conftest import KEY_A, connect, sl_datum
@@ -31,12 +29,9 @@ def test_full_server_and_close_frees_slots(server, base_model):
         client.create_lora_training_client(base_model=base_model, rank=2, seed=i).result()
         for i in range(capacity)
     ]
-    with pytest.raises(
-        tinker.RequestFailedError,
-        match=f"all {capacity} training adapter slots of this server are in use",
-    ):
-        client.create_lora_training_client(base_model=base_model, rank=2).result()
-    assert _loaded(server) == capacity
+    # slots are a cache (live_models.py): one run more than slots is created, not refused
+    clients.append(client.create_lora_training_client(base_model=base_model, rank=2).result())
+    assert _loaded(server) == capacity + 1
     client.close("success").result()
     deadline = time.monotonic() + 10
     while _loaded(server) and time.monotonic() < deadline:

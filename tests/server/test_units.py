@@ -176,8 +176,8 @@ class _Recorder:
     def run_control(self, op):
         return self._record("control", [op])[0]
 
-    def run_train(self, ops):
-        return self._record("train", ops)
+    def run_train(self, chunks):
+        return self._record("train", [chunk.op for chunk in chunks])
 
     def run_optim(self, ops):
         return self._record("optim", ops)

@@ -1,0 +1,206 @@
+"""Which forward(_backward) work one engine round runs: weighted deficit round-robin over
+tenants, counted in tokens.
+
+Running every ready call as one batch lets one tenant's 2,000-datum call make every other
+tenant's 4-datum step wait for all of it, however long that takes. Instead a round runs at most
+`budget` tokens, and tenants take turns (deficit round-robin, Shreedhar and Varghese): at the
+start of its turn a tenant's deficit grows by `quantum` times its weight (relative to the
+heaviest tenant waiting, so the heaviest gets the whole quantum), and it runs datums, in its
+order, while their tokens fit in its deficit. The rest of a call waits for the tenant's next
+turn, so a large call runs in chunks over several rounds.
+
+- Deficits and the turn order persist across rounds: a round that fills up ends mid-turn and the
+  next round resumes that turn, so splitting work into rounds changes no one's share.
+- A tenant whose ready work runs out loses its deficit and leaves the turn order (credit is not
+  banked while idle); it rejoins at the back when it has work again.
+- One datum bigger than the whole budget runs alone, as the first work of a round, once the
+  tenant's deficit covers it (a datum is never split).
+- `max_models` caps the distinct models in one round (the bank slots a round may use): a tenant
+  whose next work is for another model passes its turn without credit.
+
+While tenants stay backlogged, each one's served tokens stay within one credit plus one datum of
+its weighted share; a tenant that arrives waits for at most one turn of each tenant ahead of it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Work:
+    """One op's datums still to run: datums `start`.. of an op whose datum `i` has `sizes[i]`
+    tokens. A tenant's works are served in the order given."""
+
+    key: str  # the op (its request id)
+    model: str
+    start: int
+    sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Take:
+    """Datums [start, stop) of the op `key` run in this round."""
+
+    key: str
+    start: int
+    stop: int
+    tokens: int
+
+
+def check_weight(tenant: str, weight: float) -> float:
+    if not (isinstance(weight, int | float) and math.isfinite(weight) and weight > 0):
+        raise ValueError(
+            f"the fair-share weight of tenant {tenant!r} must be a positive finite number, got {weight!r}"
+        )
+    return float(weight)
+
+
+class DeficitRoundRobin:
+    """The deficits and turn order across rounds; `plan` picks one round's work. Not
+    thread-safe: the scheduler calls it under its lock."""
+
+    def __init__(self, quantum: int, weight_of: Callable[[str], float]):
+        if not isinstance(quantum, int) or quantum < 1:
+            raise ValueError(
+                f"the fair-share quantum must be a positive number of tokens, got {quantum!r}"
+            )
+        self.quantum = quantum
+        self.weight_of = weight_of
+        self.deficits: dict[str, float] = {}
+        self._order: deque[str] = deque()  # the tenant whose turn it is, first
+        self._credited: str | None = None  # the first tenant, when its turn was already credited
+
+    def order(self) -> list[str]:
+        return list(self._order)
+
+    def plan(
+        self, ready: Mapping[str, Sequence[Work]], budget: int, max_models: int | None = None
+    ) -> list[Take]:
+        """The datums to run this round, at most `budget` tokens (or one oversize datum), for
+        tenant -> its ready work (in the order it is to be served)."""
+        if budget < 1:
+            raise ValueError(f"the round token budget must be >= 1, got {budget}")
+        self._sync({t for t, works in ready.items() if works}, ready)
+        if not self._order:
+            return []
+        weights = {t: check_weight(t, self.weight_of(t)) for t in self._order}
+        heaviest = max(weights.values())
+        credit = {t: self.quantum * w / heaviest for t, w in weights.items()}
+        cursor = {t: (0, ready[t][0].start) for t in self._order}  # (work index, datum)
+        takes: dict[str, Take] = {}
+        models: set[str] = set()
+        remaining = budget
+        idle_turns = 0  # turns in a row that ran nothing
+
+        def capped(model: str) -> bool:
+            return max_models is not None and model not in models and len(models) >= max_models
+
+        while self._order and remaining > 0:
+            tenant = self._order[0]
+            works = ready[tenant]
+            index, datum = cursor[tenant]
+            if capped(works[index].model):
+                self._pass_turn()
+                idle_turns += 1
+                if idle_turns >= len(self._order) and self._all_capped(ready, cursor, capped):
+                    break
+                continue
+            if self._credited != tenant:
+                self.deficits[tenant] = self.deficits.get(tenant, 0.0) + credit[tenant]
+                self._credited = tenant
+            ran, full = False, False
+            while index < len(works):
+                work = works[index]
+                if capped(work.model):
+                    break
+                size = max(1, work.sizes[datum])
+                if size > self.deficits[tenant]:
+                    break
+                if size > remaining and takes:
+                    full = True
+                    break
+                self.deficits[tenant] -= size
+                remaining -= size
+                models.add(work.model)
+                earlier = takes.get(work.key)
+                takes[work.key] = (
+                    Take(work.key, datum, datum + 1, size)
+                    if earlier is None
+                    else Take(work.key, earlier.start, datum + 1, earlier.tokens + size)
+                )
+                ran = True
+                datum += 1
+                if datum == len(work.sizes):
+                    index += 1
+                    datum = ready[tenant][index].start if index < len(works) else 0
+                if remaining <= 0:
+                    break
+            cursor[tenant] = (index, datum)
+            if index == len(works):  # its ready work ran out: no credit kept
+                self._leave(tenant)
+            elif full or remaining <= 0:
+                break  # the round is full; the next one resumes this turn
+            else:
+                self._pass_turn()
+            idle_turns = 0 if ran else idle_turns + 1
+            if idle_turns >= len(self._order) > 0:
+                self._fast_forward(ready, cursor, credit, capped)
+                idle_turns = 0
+        return list(takes.values())
+
+    # ------------------------------------------------------------------ helpers
+    def _sync(self, waiting: set[str], ready: Mapping[str, Sequence[Work]]) -> None:
+        """Tenants without ready work leave (and lose their deficit); new ones join at the back,
+        in the order `ready` lists them."""
+        for tenant in [t for t in self._order if t not in waiting]:
+            self._leave(tenant)
+        for tenant in ready:
+            if tenant in waiting and tenant not in self._order:
+                self._order.append(tenant)
+                self.deficits[tenant] = 0.0
+
+    def _leave(self, tenant: str) -> None:
+        self._order.remove(tenant)
+        self.deficits.pop(tenant, None)
+        if self._credited == tenant:
+            self._credited = None
+
+    def _pass_turn(self) -> None:
+        self._order.rotate(-1)
+        self._credited = None
+
+    def _all_capped(
+        self,
+        ready: Mapping[str, Sequence[Work]],
+        cursor: Mapping[str, tuple[int, int]],
+        capped: Callable[[str], bool],
+    ) -> bool:
+        return all(capped(ready[t][cursor[t][0]].model) for t in self._order)
+
+    def _fast_forward(
+        self,
+        ready: Mapping[str, Sequence[Work]],
+        cursor: Mapping[str, tuple[int, int]],
+        credit: Mapping[str, float],
+        capped: Callable[[str], bool],
+    ) -> None:
+        """A whole cycle of turns ran nothing: every next datum is bigger than its tenant's
+        deficit. Adds at once the credit of the turns that would still run nothing (the
+        cycles are cheap, but a light tenant's big datum could need thousands of them)."""
+        cycles: list[int] = []
+        for tenant in self._order:
+            index, datum = cursor[tenant]
+            work = ready[tenant][index]
+            if capped(work.model):
+                continue
+            short = max(1, work.sizes[datum]) - self.deficits[tenant]
+            cycles.append(max(0, math.ceil(short / credit[tenant]) - 1))
+        skip = min(cycles, default=0)
+        if skip > 0:
+            for tenant in self._order:
+                if not capped(ready[tenant][cursor[tenant][0]].model):
+                    self.deficits[tenant] += skip * credit[tenant]

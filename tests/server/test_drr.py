@@ -1,0 +1,312 @@
+"""Fair share, deterministic: the deficit round-robin's picks (fair_share.py) and the scheduler
+running a call in chunks over rounds with a fake executor (no model, no HTTP)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from lorafleet.server.fair_share import DeficitRoundRobin, Work
+from lorafleet.server.futures import Result
+from lorafleet.server.scheduler import Op, Partial, Scheduler, TrainChunk
+
+
+def _rounds(drr, work: dict[str, list[Work]], budget: int, rounds: int, max_models=None):
+    """Runs `rounds` plans over backlogged `work`, advancing each op past what was taken; returns
+    the takes of every round."""
+    history = []
+    for _ in range(rounds):
+        ready = {t: ws for t, ws in work.items() if ws}
+        takes = drr.plan(ready, budget, max_models)
+        history.append(takes)
+        by_key = {take.key: take for take in takes}
+        for tenant, works in work.items():
+            kept = []
+            for w in works:
+                take = by_key.get(w.key)
+                start = w.start if take is None else take.stop
+                if start < len(w.sizes):
+                    kept.append(Work(w.key, w.model, start, w.sizes))
+            work[tenant] = kept
+    return history
+
+
+def _served(history, owner: dict[str, str]) -> Counter[str]:
+    served: Counter[str] = Counter()
+    for takes in history:
+        for take in takes:
+            served[owner[take.key]] += take.tokens
+    return served
+
+
+def test_backlogged_tenants_are_served_by_weight():
+    weights = {"a": 1.0, "b": 2.0, "c": 4.0}
+    drr = DeficitRoundRobin(quantum=40, weight_of=weights.__getitem__)
+    work = {t: [Work(f"{t}-op", f"{t}-model", 0, (10,) * 10_000)] for t in weights}
+    owner = {f"{t}-op": t for t in weights}
+    history = _rounds(drr, work, budget=70, rounds=200)
+    served = _served(history, owner)
+    assert all(sum(t.tokens for t in takes) <= 70 for takes in history)
+    total = sum(served.values())
+    assert total == 200 * 70  # every round full: 7 datums of 10
+    for tenant, weight in weights.items():
+        # within one quantum plus one datum of the weighted share
+        assert abs(served[tenant] - total * weight / 7) <= 40 + 10
+
+
+def test_equal_weights_with_sizes_1_to_32x_get_equal_tokens():
+    sizes = {"t1": 4, "t2": 16, "t3": 64, "t4": 128}
+    drr = DeficitRoundRobin(quantum=128, weight_of=lambda t: 1.0)
+    work = {t: [Work(f"{t}-op", t, 0, (n,) * 5_000)] for t, n in sizes.items()}
+    history = _rounds(drr, work, budget=512, rounds=100)
+    served = _served(history, {f"{t}-op": t for t in sizes})
+    mean = sum(served.values()) / len(served)
+    assert all(abs(v - mean) <= 128 + 128 for v in served.values()), served
+
+
+def test_a_datum_bigger_than_the_credit_waits_for_its_deficit_and_others_go_first():
+    drr = DeficitRoundRobin(quantum=100, weight_of=lambda t: 1.0)
+    work = {"big": [Work("B", "mb", 0, (250,))], "small": [Work("S", "ms", 0, (30,) * 100)]}
+    history = _rounds(drr, work, budget=430, rounds=1)
+    # big's turn: credit 100 < 250, so it passes; small runs 3 datums (90 of its 100); then big
+    # (200), small again (3 more, 20 left), and big takes its 250 at its third turn: 430 in all.
+    assert [(t.key, t.start, t.stop) for t in history[0]] == [("S", 0, 6), ("B", 0, 1)]
+    assert "big" not in drr.deficits  # its work ran out: no credit kept
+    assert drr.deficits["small"] == 20 and drr.order() == ["small"]
+
+
+def test_a_tenant_whose_work_runs_out_keeps_no_credit_and_rejoins_at_the_back():
+    drr = DeficitRoundRobin(quantum=100, weight_of=lambda t: 1.0)
+    b1 = Work("b1", "mb", 0, (500,))
+    takes = drr.plan({"a": [Work("a1", "ma", 0, (10,))], "b": [b1]}, 200)
+    # a's work ran out after 10 tokens; b's 500 needs five turns' credit and then does not fit
+    # beside a's 10: the round ends with b's turn open, b keeping its credit
+    assert [t.key for t in takes] == ["a1"]
+    assert "a" not in drr.deficits and drr.order() == ["b"] and drr.deficits["b"] == 500
+    takes = drr.plan({"a": [Work("a2", "ma", 0, (10,))], "b": [b1]}, 200)
+    assert [t.key for t in takes] == ["b1"]  # b's turn first, alone (bigger than the budget)
+    assert drr.order() == ["a"] and drr.deficits["a"] == 0.0  # a rejoined behind b, no credit
+
+
+def test_an_oversize_datum_runs_alone_as_the_first_work_of_a_round():
+    drr = DeficitRoundRobin(quantum=64, weight_of=lambda t: 1.0)
+    work = {"huge": [Work("H", "mh", 0, (300,))], "tiny": [Work("T", "mt", 0, (8,) * 50)]}
+    history = _rounds(drr, work, budget=128, rounds=12)
+    rounds_with_h = [i for i, takes in enumerate(history) if any(t.key == "H" for t in takes)]
+    assert len(rounds_with_h) == 1
+    assert [t.key for t in history[rounds_with_h[0]]] == ["H"]  # alone
+    assert all(
+        sum(t.tokens for t in takes) <= 128
+        for i, takes in enumerate(history)
+        if i not in rounds_with_h
+    )
+
+
+def test_a_round_touches_at_most_max_models():
+    drr = DeficitRoundRobin(quantum=50, weight_of=lambda t: 1.0)
+    ready = {t: [Work(f"{t}-op", f"{t}-model", 0, (10,) * 3)] for t in ("a", "b", "c")}
+    takes = drr.plan(ready, 1000, max_models=2)
+    assert {t.key for t in takes} == {"a-op", "b-op"}
+    assert drr.deficits.get("c", 0.0) == 0.0  # passed over without credit
+    takes = drr.plan({"c": ready["c"]}, 1000, max_models=2)
+    assert [t.key for t in takes] == ["c-op"]
+
+
+def test_a_bad_weight_is_refused_naming_the_tenant():
+    drr = DeficitRoundRobin(quantum=10, weight_of=lambda t: 0.0)
+    with pytest.raises(ValueError, match="tenant 'x'.*got 0.0"):
+        drr.plan({"x": [Work("k", "m", 0, (1,))]}, 10)
+    with pytest.raises(ValueError, match="round token budget"):
+        DeficitRoundRobin(quantum=10, weight_of=lambda t: 1.0).plan({}, 0)
+
+
+# ---------------------------------------------------------------------- the scheduler, chunked
+
+
+class _ChunkExecutor:
+    """Records each round's batch as (model, start, stop); non-last chunks hand back their
+    range, and the last chunk's result lists every chunk's range in order."""
+
+    def __init__(self, fail: set[tuple[str, int]] | None = None):
+        self.calls: list[tuple[str, list[tuple[str | None, int, int]]]] = []
+        self.fail = fail or set()
+        self.on_train: list = []  # callables run at the start of each train batch
+
+    def run_control(self, op):
+        return Result.json({"ok": True})
+
+    def run_train(self, chunks: list[TrainChunk]):
+        if self.on_train:
+            self.on_train.pop(0)()
+        self.calls.append(("train", [(c.op.model_id, c.start, c.stop) for c in chunks]))
+        out: list[Result | Partial] = []
+        for c in chunks:
+            if (c.op.request_id, c.start) in self.fail:
+                out.append(Result.error(ValueError("bad chunk")))  # type: ignore[arg-type]
+            elif c.last:
+                out.append(Result.json({"ranges": [*c.earlier, [c.start, c.stop]]}))
+            else:
+                out.append(Partial([c.start, c.stop]))
+        return out
+
+    def run_optim(self, ops):
+        self.calls.append(("optim", [(op.model_id, 0, 0) for op in ops]))
+        return [Result.json({"ok": True}) for _ in ops]
+
+    def start_sample(self, ops):
+        return [Result.json({}) for _ in ops]
+
+    def step_sampler(self):
+        return False
+
+
+class _Futures:
+    def __init__(self):
+        self.done: dict[str, Result] = {}
+        self.cond = threading.Condition()
+
+    def complete(self, request_id, result):
+        with self.cond:
+            self.done[request_id] = result
+            self.cond.notify_all()
+
+    def wait(self, *ids: str, timeout: float = 10.0) -> None:
+        with self.cond:
+            assert self.cond.wait_for(lambda: all(i in self.done for i in ids), timeout), (
+                f"not done: {[i for i in ids if i not in self.done]}"
+            )
+
+
+def _scheduler(futures, **kw) -> Scheduler:
+    return Scheduler(futures, op_sizes=lambda op: op.payload, **kw)  # type: ignore[arg-type]
+
+
+def _fb(rid: str, tenant: str, model: str, seq: int, sizes: list[int]) -> Op:
+    return Op(rid, "forward_backward", tenant, sizes, model_id=model, seq_id=seq)
+
+
+def test_a_big_call_runs_in_chunks_and_its_optim_step_waits_for_the_last():
+    executor, futures = _ChunkExecutor(), _Futures()
+    scheduler = _scheduler(futures, round_token_budget=100)  # quantum 25
+    for model in ("big", "small"):
+        scheduler.register_model(model)
+    scheduler.pause()
+    scheduler.start(lambda: executor)
+    try:
+        scheduler.submit(_fb("B1", "flooder", "big", 1, [10] * 40))
+        scheduler.submit(Op("B2", "optim_step", "flooder", None, model_id="big", seq_id=2))
+        scheduler.submit(_fb("S1", "small", "small", 1, [10]))
+        scheduler.submit(Op("S2", "optim_step", "small", None, model_id="small", seq_id=2))
+        scheduler.resume()
+        futures.wait("B1", "B2", "S1", "S2")
+    finally:
+        scheduler.stop()
+    ranges = json.loads(futures.done["B1"].body)["ranges"]
+    assert ranges[0][0] == 0 and ranges[-1][1] == 40 and len(ranges) > 1
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))  # in order, whole
+    train_rounds = [batch for kind, batch in executor.calls if kind == "train"]
+    assert all(
+        sum((stop - start) * 10 for _, start, stop in batch) <= 100 for batch in train_rounds
+    )
+    # the small tenant's step ran in the first round, beside the flooder's first chunk
+    assert ("small", 0, 1) in train_rounds[0]
+    # big's optim_step ran only after the round that ran its last chunk
+    last_chunk = max(
+        i
+        for i, (kind, batch) in enumerate(executor.calls)
+        if kind == "train" and ("big", ranges[-1][0], 40) in batch
+    )
+    big_optim = next(
+        i
+        for i, (kind, batch) in enumerate(executor.calls)
+        if kind == "optim" and ("big", 0, 0) in batch
+    )
+    assert big_optim > last_chunk
+    assert scheduler.stats.split_ops == 1 and scheduler.stats.chunks == len(ranges)
+
+
+def test_a_small_step_arriving_mid_split_runs_within_two_rounds():
+    executor, futures = _ChunkExecutor(), _Futures()
+    scheduler = _scheduler(futures, round_token_budget=100)
+    for model in ("big", "small"):
+        scheduler.register_model(model)
+    rounds_before: list[int] = []
+
+    def arrive() -> None:  # submitted while the flooder's second chunk runs
+        rounds_before.append(len(executor.calls))
+        scheduler.submit(_fb("S1", "small", "small", 1, [10]))
+
+    executor.on_train = [lambda: None, arrive]
+    scheduler.pause()
+    scheduler.start(lambda: executor)
+    try:
+        scheduler.submit(_fb("B1", "flooder", "big", 1, [10] * 100))
+        scheduler.resume()
+        futures.wait("S1", "B1")
+    finally:
+        scheduler.stop()
+    ran_in = next(i for i, (_, batch) in enumerate(executor.calls) if ("small", 0, 1) in batch)
+    assert ran_in - rounds_before[0] <= 2  # the round it arrived in, then at most the next
+    assert not futures.done["B1"].failed
+
+
+def test_a_failed_chunk_fails_the_whole_call_and_the_model_goes_on():
+    executor, futures = _ChunkExecutor(fail={("B1", 20)}), _Futures()
+    scheduler = _scheduler(futures, round_token_budget=100, quantum=100)
+    scheduler.register_model("big")
+    scheduler.pause()
+    scheduler.start(lambda: executor)
+    try:
+        scheduler.submit(_fb("B1", "t", "big", 1, [10] * 40))
+        scheduler.submit(_fb("B2", "t", "big", 2, [10] * 2))
+        scheduler.resume()
+        futures.wait("B1", "B2")
+    finally:
+        scheduler.stop()
+    assert futures.done["B1"].failed and not futures.done["B2"].failed
+    ran = [r for kind, batch in executor.calls if kind == "train" for r in batch]
+    assert ("big", 30, 40) not in ran and ("big", 0, 2) in ran  # B1's rest never ran
+    assert scheduler.pending() == 0 and not scheduler._train
+
+
+def test_state_reports_queues_deficits_and_rounds():
+    executor, futures = _ChunkExecutor(), _Futures()
+    scheduler = _scheduler(futures, round_token_budget=100, weight_of={"a": 2.0, "b": 1.0}.get)
+    scheduler.register_model("ma")
+    scheduler.register_model("mb")
+    scheduler.pause()
+    scheduler.start(lambda: executor)
+    try:
+        scheduler.submit(_fb("A1", "a", "ma", 1, [10] * 30))
+        scheduler.submit(_fb("B1", "b", "mb", 1, [10] * 3))
+        state = scheduler.state()
+        assert state["tenants"]["a"] == {
+            "queued_ops": 1,
+            "queued_train_tokens": 300,
+            "weight": 2.0,
+            "deficit": 0.0,
+        }
+        assert state["round_token_budget"] == 100 and state["quantum"] == 25
+        scheduler.resume()
+        futures.wait("A1", "B1")
+        state = scheduler.state()
+        assert state["rounds_per_s"] > 0 and 0 < state["train_tokens_per_round"]["max"] <= 100
+    finally:
+        scheduler.stop()
+
+
+def test_the_cli_default_budget_is_the_schedulers():
+    from lorafleet.cli import build_parser
+    from lorafleet.server.scheduler import DEFAULT_ROUND_TOKENS
+    from lorafleet.server.service import ServerConfig
+
+    args = ["serve", "--base-model", "tiny-qwen3", "--data-dir", "unused"]
+    assert build_parser().parse_args(args).round_token_budget == DEFAULT_ROUND_TOKENS
+    assert ServerConfig("tiny-qwen3", Path("unused"), []).round_token_budget == DEFAULT_ROUND_TOKENS
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*args, "--round-token-budget", "0"])
