@@ -14,7 +14,7 @@ from lorafleet.adapters.peft_io import export_peft
 from lorafleet.interfaces import Trainer
 from lorafleet.server import faults
 from lorafleet.server.deletion import prune_empty_parents, remove_tree
-from lorafleet.server.errors import UserError
+from lorafleet.server.errors import DiskFull, UserError
 from lorafleet.server.external_weights import write_export
 from lorafleet.server.live_models import LiveModel
 from lorafleet.server.paths import TENANTS_DIR, TinkerPath, checkpoint_dir, dir_size
@@ -135,9 +135,19 @@ class CheckpointFiles:
 
     def delete(self, checkpoint: CheckpointRow) -> None:
         """Never fails for a checkpoint being sampled: its running samples finish on their
-        resident version (nothing reads the files again) while new ones get "deleted"."""
+        resident version (nothing reads the files again) while new ones get "deleted".
+
+        On a completely full disk even the row's DELETE fails (SQLite's WAL must grow), and
+        deleting checkpoints is the very remedy the 507 tells the tenant to use. The files are
+        what the caller asked to lose, so they then go first to make room, and the row after;
+        a crash in between leaves a row without its directory, which recovery reports and a
+        repeated delete removes."""
         self.publisher.retire_checkpoint(checkpoint.tinker_path)
-        self.store.delete_checkpoint(checkpoint.tinker_path)
+        try:
+            self.store.delete_checkpoint(checkpoint.tinker_path)
+        except DiskFull:
+            remove_tree(Path(checkpoint.dir))
+            self.store.delete_checkpoint(checkpoint.tinker_path)
         remove_tree(Path(checkpoint.dir))
         prune_empty_parents(Path(checkpoint.dir), self.data_dir / TENANTS_DIR)
 

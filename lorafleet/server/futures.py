@@ -12,7 +12,9 @@ memory the newest are kept up to `memory_bytes` (big ones, over `memory_entry_by
 back from SQLite instead); in SQLite the oldest are deleted once their total passes
 `stored_bytes`, besides the TTL. A result whose row could not be written (a full disk) is still
 delivered from memory; should it have to leave memory unstored, a late poll gets an error that
-says so rather than a 404.
+says so rather than a 404. While the disk is known to be full, results over
+`FULL_DISK_STORE_BYTES` are not even tried in SQLite: a few sample results would otherwise eat
+the reserve that keeps deletions (the way out of a full disk) writable.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import json
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lorafleet.server.errors import ApiError, NotFound, ServerFault
@@ -37,6 +40,7 @@ PROBLEM_LOST = (
 )
 _ENTRY_OVERHEAD = 256  # bytes an in-memory entry costs besides its body (ids, objects)
 _KEEP_LOST = 65536  # unstored results that left memory: their ids, so a late poll is told why
+FULL_DISK_STORE_BYTES = 4096  # results still written to SQLite while the disk is full
 
 
 @dataclass
@@ -82,8 +86,11 @@ class FutureTable:
         memory_entry_bytes: int = 1 << 20,
         stored_bytes: int = 1 << 30,
         ttl_s: float = 24 * 3600.0,
+        disk_full: Callable[[], bool] | None = None,
     ):
+        """`disk_full` (DiskGuard.full): whether the data disk is known to be full now."""
         self.store = store
+        self.disk_full = disk_full
         self.memory_bytes = memory_bytes
         self.memory_entry_bytes = memory_entry_bytes
         self.stored_bytes = stored_bytes
@@ -119,6 +126,14 @@ class FutureTable:
         self.deliver(request_id, result, stored=self._record(request_id, result))
 
     def _record(self, request_id: str, result: Result) -> bool:
+        if (
+            len(result.body) > FULL_DISK_STORE_BYTES
+            and self.disk_full is not None
+            and self.disk_full()
+        ):
+            with self._lock:
+                self.unstored += 1
+            return False
         try:
             self.store.finish_future(
                 request_id, "failed" if result.failed else "done", result.content_type, result.body

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -67,6 +68,7 @@ class _Run:
     warm: SlotState | None = None
     cold: Path | None = None
     held: int = 0  # bytes its state takes in its tier
+    hot_since: float | None = None  # monotonic: when its slot time was last counted
 
     @property
     def tier(self) -> Tier:
@@ -118,6 +120,9 @@ class LiveModels:
         self._pinned: set[str] = set()
         self.counters = PagingCounters()
         self.cold_write_failures = 0
+        # resident adapter-seconds not yet collected by metering: (tenant, model_id) -> s
+        self._slot_seconds: dict[tuple[str, str], float] = {}
+        self._slot_lock = threading.Lock()  # the engine thread moves runs, metering collects
 
     def __len__(self) -> int:
         return len(self._runs)
@@ -155,10 +160,33 @@ class LiveModels:
             counts[run.tier] += 1
         return counts
 
-    def hot_runs(self) -> list[tuple[str, str]]:
-        """(tenant, model_id) of every run in a trainer slot now: what metering counts as
-        resident adapter-seconds. Read from other threads, so a snapshot."""
-        return [(r.tenant, r.model_id) for r in list(self._runs.values()) if r.slot is not None]
+    def resident_seconds(self) -> list[tuple[str, str, float]]:
+        """(tenant, model_id, seconds) each run held a trainer slot since the last call: what
+        metering counts as resident adapter-seconds. Exact, not sampled: a run's slot time is
+        counted as it leaves the slot (page-out, unload) and, for runs still in one, up to now,
+        so a run paged in and out between two calls is counted, and one paged in just before
+        a call is counted only since. Called from the metering thread."""
+        now = time.monotonic()
+        with self._slot_lock:
+            spent, self._slot_seconds = self._slot_seconds, {}
+            for run in list(self._runs.values()):
+                if run.hot_since is not None:
+                    key = (run.tenant, run.model_id)
+                    spent[key] = spent.get(key, 0.0) + now - run.hot_since
+                    run.hot_since = now
+        return [(tenant, model_id, s) for (tenant, model_id), s in spent.items() if s > 0]
+
+    def _slot_taken(self, run: _Run) -> None:
+        with self._slot_lock:
+            run.hot_since = time.monotonic()
+
+    def _slot_left(self, run: _Run) -> None:
+        with self._slot_lock:
+            if run.hot_since is not None:
+                key = (run.tenant, run.model_id)
+                spent = time.monotonic() - run.hot_since
+                self._slot_seconds[key] = self._slot_seconds.get(key, 0.0) + spent
+                run.hot_since = None
 
     def paging(self) -> dict[str, Any]:
         return {
@@ -230,6 +258,7 @@ class LiveModels:
         assert self._pager is not None and run.slot is not None
         state = self._pager.export_slot(run.slot)
         self.trainer.free_adapter(run.slot)
+        self._slot_left(run)
         self.counters.moved("hot", "warm", released=run.held, held=state.nbytes)
         run.slot, run.warm, run.held = None, state, state.nbytes
 
@@ -298,6 +327,7 @@ class LiveModels:
         held = self._slot_bytes(run.optimizer)
         self.counters.moved(source, "hot", released=run.held, held=held)
         run.slot, run.warm, run.cold, run.held = slot, None, None, held
+        self._slot_taken(run)
 
     # ------------------------------------------------------------------ lifecycle
     def add(
@@ -329,6 +359,7 @@ class LiveModels:
         )
         run = _Run(model_id, tenant, session_id, base_model, optimizer, slot=slot)
         run.held = self._slot_bytes(optimizer)
+        self._slot_taken(run)
         self._runs[model_id] = run
         self._recency.touch(model_id)
         self.counters.added("hot", run.held)
@@ -348,6 +379,7 @@ class LiveModels:
                 self.counters.removed(run.tier, run.held)
                 if run.slot is not None:
                     self.trainer.free_adapter(run.slot)
+                    self._slot_left(run)
                 if run.cold is not None:
                     shutil.rmtree(run.cold)
             self.store.set_model_status(model_id, "unloaded")

@@ -8,8 +8,9 @@ Counters, per tenant, run and UTC day:
 - `optimizer_steps`;
 - `compute_seconds`: each engine batch's wall time shared among its requests by their tokens
   (forward/backward), rows (a sampler step) or equally (optimizer steps, control operations);
-- `resident_adapter_seconds`: time a run holds a trainer bank slot, sampled every flush (so
-  exact to about `flush_s`).
+- `resident_adapter_seconds`: time a run holds a trainer bank slot, measured from the moment
+  it takes one to the moment it leaves it (live_models.LiveModels.resident_seconds), collected
+  at every flush and at close.
 Checkpoint storage is not counted here: it is what the checkpoint rows say now (a gauge), so a
 deletion is reflected at once.
 
@@ -49,8 +50,8 @@ COUNTERS = (
     "resident_adapter_seconds",
 )
 Key = tuple[str, str, str, str]  # tenant, run, day, counter
-Resident = Callable[[], list[tuple[str, str]]]
-"""(tenant, run) of every run holding a trainer slot now."""
+Resident = Callable[[], list[tuple[str, str, float]]]
+"""(tenant, run, seconds) each run held a trainer slot since the previous call."""
 
 
 def utc_day(at: float) -> str:
@@ -134,7 +135,6 @@ class Metering:
         self._pending: dict[Key, float] = defaultdict(float)
         self._day = ""
         self._today: dict[tuple[str, str], float] = defaultdict(float)  # (tenant, counter)
-        self._last_tick = time.monotonic()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -199,12 +199,10 @@ class Metering:
                 self.record(op.tenant, run, "sampled_tokens", sampled_tokens(result))
 
     def _tick_residency(self) -> None:
-        now = time.monotonic()
-        elapsed, self._last_tick = now - self._last_tick, now
-        if self.resident is None or elapsed <= 0:
+        if self.resident is None:
             return
-        for tenant, run in self.resident():
-            self.record(tenant, run, "resident_adapter_seconds", elapsed)
+        for tenant, run, seconds in self.resident():
+            self.record(tenant, run, "resident_adapter_seconds", seconds)
 
     # ------------------------------------------------------------------ persistence
     def flush(self) -> int:
@@ -242,6 +240,7 @@ class Metering:
         if self._thread is not None:
             self._thread.join(10)
         try:
+            self._tick_residency()  # the slot time since the last flush
             self.flush()
         except Exception:
             self.flush_failures += 1

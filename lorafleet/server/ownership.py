@@ -29,12 +29,16 @@ class Ownership:
             raise NotFound(f"unknown model_id {model_id!r}")
         return row
 
-    def checkpoint(self, tenant: Tenant, path: TinkerPath) -> CheckpointRow:
-        """An expired checkpoint is refused before maintenance deletes it."""
+    def checkpoint(
+        self, tenant: Tenant, path: TinkerPath, *, expired_ok: bool = False
+    ) -> CheckpointRow:
+        """An expired checkpoint is refused before maintenance deletes it, except to its owner's
+        delete (`expired_ok`): deleting it early is what maintenance will do anyway, and until
+        then its name stays taken."""
         row = self.store.get_checkpoint(str(path))
         if row is None or row.tenant != tenant.id:
             raise NotFound(f"unknown checkpoint {path}")
-        if row.expired():
+        if row.expired() and not expired_ok:
             raise NotFound(f"checkpoint {path} has expired (its ttl_seconds ran out)")
         return row
 

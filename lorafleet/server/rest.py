@@ -128,7 +128,8 @@ class Rest:
         }
 
     def delete_checkpoint(self, tenant: Tenant, run_id: str, checkpoint_id: str) -> Future[None]:
-        row = self.ownership.checkpoint(tenant, _checkpoint_path(run_id, checkpoint_id))
+        path = _checkpoint_path(run_id, checkpoint_id)
+        row = self.ownership.checkpoint(tenant, path, expired_ok=True)
         return self.engine.delete_checkpoint(row)
 
     def set_checkpoint_ttl(

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from lorafleet.interfaces import Sampler
 from lorafleet.sample import SampleRequest, SampleResult, VersionError
-from lorafleet.server import proto
+from lorafleet.server import proto, publication
 from lorafleet.server.errors import ApiError, NotFound, UserError
 from lorafleet.server.futures import Result
 from lorafleet.server.payloads import SampleArgs
@@ -91,7 +91,7 @@ class SampleBatches:
         for i, op in enumerate(ops):
             args: SampleArgs = op.payload
             try:
-                key = self._version(args)
+                key = self._version(args, op.tenant)
             except ApiError as exc:
                 results[i] = Result.error(exc)
                 continue
@@ -111,9 +111,11 @@ class SampleBatches:
             batch.append((i, args, request))
         return results, batch
 
-    def _version(self, args: SampleArgs) -> VersionKey | None:
+    def _version(self, args: SampleArgs, tenant: str) -> VersionKey | None:
         """The published version the request samples from (None: the base), published again
-        from its checkpoint's files if the sampler let it go."""
+        from its checkpoint's files if the sampler let it go. Another tenant's checkpoint is
+        checked for publication at every request, not only when the sampling client was made:
+        unpublishing it ends other tenants' sampling of it at once."""
         key = args.adapter
         if key is None:
             return None
@@ -131,6 +133,8 @@ class SampleBatches:
         checkpoint = self.store.get_checkpoint(args.checkpoint_path)
         if checkpoint is None:
             raise NotFound(f"checkpoint {args.checkpoint_path} was deleted")
+        if checkpoint.tenant != tenant and not publication.is_public(checkpoint):
+            raise NotFound(f"checkpoint {args.checkpoint_path} is not published any more")
         if checkpoint.expired():
             raise NotFound(
                 f"checkpoint {args.checkpoint_path} has expired (its ttl_seconds ran out)"

@@ -240,7 +240,7 @@ class CopyWeights(_Body):
     source_path: str
     session_id: str | None = None
     model_seq_id: Counter | None = None
-    destination_project_id: str | None = None
+    destination_project_id: Label | None = None  # becomes the copy's session's project_id
     ttl_seconds: Ttl | None = None
     weights_access_token: str | None = None
 

@@ -203,6 +203,8 @@ class Service:
                 f"maintenance_interval_s must be a positive number of seconds, got {config.maintenance_interval_s!r}"
             )
         self.config = config
+        # first: a bad tenants file is refused before the data dir is made or recovered
+        self.tenancy = _tenancy(config)
         self.data_dir = ensure_private_dir(Path(config.data_dir).expanduser().resolve())
         db_path = self.data_dir / "lorafleet.db"
         # SQLite's -wal/-shm inherit this file's mode
@@ -214,11 +216,6 @@ class Service:
         except BaseException:
             self.store.close()
             raise
-        try:
-            self.tenancy = _tenancy(config)
-        except BaseException:
-            self.store.close()
-            raise
         self.metering = Metering(self.store, flush_s=config.usage_flush_s)
         self.futures = FutureTable(
             self.store,
@@ -226,6 +223,7 @@ class Service:
             memory_entry_bytes=config.results_memory_entry_bytes,
             stored_bytes=config.results_stored_bytes,
             ttl_s=config.future_ttl_s,
+            disk_full=lambda: self.disk.full,
         )
         self.scheduler = Scheduler(
             self.futures,
@@ -266,8 +264,8 @@ class Service:
         self.quotas = Quotas(
             self.tenancy, self.store, self.metering, self.admission, self.served.context_length
         )
-        # resident adapter-seconds: the runs in a trainer slot now (the others are paged out)
-        self.metering.resident = self.executor.live.hot_runs
+        # resident adapter-seconds: each run's time in a trainer slot (not while paged out)
+        self.metering.resident = self.executor.live.resident_seconds
         self.metering.start()
         self.reloader = Reloader(self.tenancy) if self.tenancy.path is not None else None
         intake = Intake(

@@ -8,6 +8,7 @@ owners reach nothing more here, since sessions are never shared."""
 
 from __future__ import annotations
 
+import threading
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -16,7 +17,7 @@ from urllib.parse import quote, urlencode
 from lorafleet.server import ids, schemas, views
 from lorafleet.server.auth import Tenant
 from lorafleet.server.engine_calls import EngineCalls
-from lorafleet.server.errors import ApiError, NotFound, UserError
+from lorafleet.server.errors import ApiError, DiskFull, NotFound, UserError
 from lorafleet.server.ownership import Ownership
 from lorafleet.server.signed_urls import UrlSigner
 from lorafleet.server.store import SessionRow, Store
@@ -101,6 +102,9 @@ class Sessions:
         self.ownership = ownership
         self.engine = engine
         self.signer = signer
+        # heartbeats a full disk kept out of SQLite: session_id -> time (one per live session)
+        self._beats_in_memory: dict[str, float] = {}
+        self._beats_lock = threading.Lock()
 
     def create(self, tenant: Tenant, body: Any) -> dict[str, Any]:
         req = schemas.parse(schemas.CreateSession, body)
@@ -113,7 +117,17 @@ class Sessions:
         row = self.ownership.session(tenant, req.session_id, active=False)
         if row.finished_at is not None:
             raise ApiError(f"session {req.session_id!r} has finished", status=410)
-        self.store.heartbeat(req.session_id)
+        try:
+            self.store.heartbeat(req.session_id)
+        except DiskFull:
+            # The client is alive whether or not the disk can say so: kept in memory, else a
+            # full-disk episode longer than the session timeout would unload every tenant's
+            # models (expire_stale) once space came back.
+            with self._beats_lock:
+                self._beats_in_memory[req.session_id] = time.time()
+        else:
+            with self._beats_lock:
+                self._beats_in_memory.pop(req.session_id, None)
         return {"type": "session_heartbeat"}
 
     def finish(self, tenant: Tenant, session_id: str, body: Any) -> dict[str, Any]:
@@ -121,12 +135,18 @@ class Sessions:
         self.ownership.session(tenant, session_id, active=False)
         reason = (req.reason or {}).get("type")
         self.store.finish_session(session_id, str(reason) if reason is not None else None)
+        with self._beats_lock:
+            self._beats_in_memory.pop(session_id, None)
         self._unload_models(session_id, "finished")
         return {"status": "finished"}
 
     def expire_stale(self, heartbeat_before: float, timeout_s: float) -> None:
         """Finishes the sessions whose last heartbeat is older than `heartbeat_before`."""
         for session in self.store.stale_sessions(heartbeat_before):
+            with self._beats_lock:
+                if self._beats_in_memory.get(session.session_id, 0.0) >= heartbeat_before:
+                    continue
+                self._beats_in_memory.pop(session.session_id, None)
             self.store.finish_session(session.session_id, "expired")
             self._unload_models(session.session_id, f"sent no heartbeat for {timeout_s:.0f} s")
 

@@ -555,13 +555,19 @@ class Store:
         self, tenant: str, model_id: str | None = None, limit: int = 1000, offset: int = 0
     ) -> tuple[list[CheckpointRow], int]:
         """Expired ones too, until maintenance deletes them: the listing shows their past
-        `expires_at` (every load of one is refused), so the client sees why it is going."""
+        `expires_at` (every load of one is refused), so the client sees why it is going.
+        One run's checkpoints come oldest first (the order they were saved in); all of a
+        tenant's (`list_user_checkpoints`) newest first, as SDK 0.38 documents, so its first
+        page (and `tinker checkpoint list --limit N`) shows the latest ones."""
         where, args = "tenant=?", [tenant]
+        order = "created_at, tinker_path"
         if model_id is not None:
             where += " AND model_id=?"
             args.append(model_id)
+        else:
+            order = "created_at DESC, tinker_path DESC"
         rows = self._all(
-            f"SELECT * FROM checkpoints WHERE {where} ORDER BY created_at, tinker_path LIMIT ? OFFSET ?",
+            f"SELECT * FROM checkpoints WHERE {where} ORDER BY {order} LIMIT ? OFFSET ?",
             (*args, limit, offset),
         )
         total = self._one(f"SELECT COUNT(*) AS n FROM checkpoints WHERE {where}", tuple(args))

@@ -49,6 +49,11 @@ TENANT_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
 a tenant name becomes a directory name."""
 _HASH = re.compile(r"[0-9a-f]{64}")
 _TENANT_KEYS = frozenset({"key_sha256", "weight", "operator", "quotas"})
+_AT_LEAST_ONE = {
+    "queued_ops": "0 would answer every request with 429, which the SDK retries for minutes",
+    "resident_runs": "a run trains only in a slot",
+}
+"""Quotas for which 0 means nothing useful (to shut a tenant out, remove its table)."""
 
 
 class TenantsFileError(ValueError):
@@ -153,6 +158,8 @@ class _Checker:
     def quota(self, table: str, key: str, value: Any) -> int:
         if type(value) is not int or value < 0:
             raise self.fail(table, key, f"must be a whole number >= 0, got {value!r}")
+        if value == 0 and key in _AT_LEAST_ONE:
+            raise self.fail(table, key, f"must be >= 1, got 0 ({_AT_LEAST_ONE[key]})")
         return value
 
     def tenant(self, name: str, body: Any) -> TenantSpec:

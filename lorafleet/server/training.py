@@ -129,6 +129,12 @@ class Training:
         req = schemas.parse(schemas.LoadWeights, body)
         fingerprint = requests.fingerprint(body)
         if req.session_id is not None and req.model_seq_id is not None:
+            if req.weights_access_token is not None:
+                # refused, not ignored (as copy_weights): a token would suggest it grants access
+                raise UserError(
+                    "weights_access_token is not supported by this server: load your own "
+                    "checkpoints or published ones, without a token"
+                )
             self.ownership.session(tenant, req.session_id)
             checkpoint = self.ownership.readable_checkpoint(
                 tenant, parse_tinker_path(req.path), with_optimizer=req.optimizer

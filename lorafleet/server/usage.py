@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 
 from lorafleet.server.admission import Admission
 from lorafleet.server.auth import Tenant
-from lorafleet.server.errors import UserError
+from lorafleet.server.errors import NotFound, UserError
 from lorafleet.server.metering import COUNTERS, Metering, usage_report, utc_day
 from lorafleet.server.quotas import Quotas
 from lorafleet.server.store import Store
@@ -74,12 +74,27 @@ class Usage:
                 f"tenant={tenant!r}: only an operator key reads another tenant's usage; "
                 "leave tenant out to read your own"
             )
+        if wanted not in (ALL_TENANTS, caller.id) and not self._known(wanted):
+            # zeros would read as "used nothing", and hide a typo in an operator's query
+            raise NotFound(
+                f"tenant={tenant!r}: no such tenant (not in the tenants file, and nothing "
+                "metered or stored under that id)"
+            )
         if wanted != ALL_TENANTS:
             return self._one(wanted, since)
         everyone = set(self.tenancy.current.tenants)
         everyone.update(t for t, _run, _c, _v in self.metering.totals(None))
         everyone.update(t for t, _run, _b in self.store.storage_bytes(None))
         return {"tenants": {t: self._one(t, since) for t in sorted(everyone)}}
+
+    def _known(self, tenant: str) -> bool:
+        """In the tenants file now, or with usage or checkpoints recorded (a tenant removed
+        from the file keeps its history)."""
+        return (
+            tenant in self.tenancy.current.tenants
+            or bool(self.metering.totals(tenant))
+            or bool(self.store.storage_bytes(tenant))
+        )
 
     def metrics(self, caller: Tenant) -> bytes:
         if not caller.operator:

@@ -112,7 +112,7 @@ def test_a_round_touches_at_most_max_models():
     ready = {t: [Work(f"{t}-op", f"{t}-model", 0, (10,) * 3)] for t in ("a", "b", "c")}
     takes = drr.plan(ready, 1000, max_models=2)
     assert {t.key for t in takes} == {"a-op", "b-op"}
-    assert drr.deficits.get("c", 0.0) == 0.0  # passed over without credit
+    assert drr.deficits.get("c", 0.0) == 50.0  # passed over, but blocked (not idle): credited
     takes = drr.plan({"c": ready["c"]}, 1000, max_models=2)
     assert [t.key for t in takes] == ["c-op"]
 

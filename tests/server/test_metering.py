@@ -82,7 +82,7 @@ def test_usage_counts_the_tokens_steps_and_time_of_the_requests(servers):
             types.SamplingParams(max_tokens=4, temperature=0.0, stop=[]),
         ).result()
         assert sum(len(s.tokens) for s in out.sequences) == 8
-        time.sleep(3 * FLUSH_S)  # resident time is sampled at each flush
+        time.sleep(3 * FLUSH_S)  # resident time is collected at each flush
     finally:
         client.close("success").result(timeout=30)
 

@@ -114,6 +114,21 @@ def test_maintenance_deletes_an_expired_checkpoint_on_an_idle_server(ttl_server,
     assert service.maintenance_failures == 0
 
 
+def test_the_owner_may_delete_an_expired_checkpoint_before_maintenance(ttl_server, client):
+    """Before: the delete answered 404 "has expired", and the name stayed taken ("already
+    exists") until maintenance came round; the owner could neither delete nor reuse it."""
+    service = ttl_server.service
+    tc = _trained(ttl_server, client)
+    rest = tinker.RestClient(base_url=ttl_server.base_url, api_key=KEY_A)
+    with service._maintenance_lock:  # maintenance cannot run: only the owner deletes it
+        state = tc.save_state("ttl-owner-delete", ttl_seconds=1).result().path
+        files = _on_disk(ttl_server, state)
+        time.sleep(service.store.get_checkpoint(state).expires_at - time.time() + 0.1)
+        rest.delete_checkpoint_from_tinker_path(state).result()
+        assert service.store.get_checkpoint(state) is None and not files.exists()
+        assert tc.save_state("ttl-owner-delete").result().path == state  # the name is free
+
+
 def test_maintenance_runs_often_enough_for_a_minute(ttl_server):
     """The default interval deletes a checkpoint within about a minute of its expiry."""
     assert server_config(ttl_server.config.data_dir).maintenance_interval_s <= 60.0

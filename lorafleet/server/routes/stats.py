@@ -1,5 +1,6 @@
 """lorafleet's own counters (not part of the Tinker API): batches per kind, mixed and
-cross-tenant batches, loaded models, pending operations."""
+cross-tenant batches, loaded models, pending operations. An operator key reads them all; any
+other key reads the server-wide counts and only its own per-tenant entries (`own_view`)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,30 @@ from lorafleet.server.routes import API
 from lorafleet.server.routes.bodies import tenant
 
 
+def own_view(stats: dict[str, Any], tenant_id: str) -> dict[str, Any]:
+    """The stats as tenant `tenant_id` may see them: the entries keyed by tenant (fair-share
+    queues, weights and deficits, the turn order, training waits) cut to its own, since other
+    tenants' names and activity are theirs (another tenant's models answer 404 too)."""
+    view = dict(stats)
+    waits = view.get("train_wait_rounds")
+    if isinstance(waits, dict):
+        view["train_wait_rounds"] = {t: n for t, n in waits.items() if t == tenant_id}
+    fair = view.get("fair_share")
+    if isinstance(fair, dict):
+        fair = dict(fair)
+        tenants = fair.get("tenants")
+        if isinstance(tenants, dict):
+            fair["tenants"] = {t: e for t, e in tenants.items() if t == tenant_id}
+        order = fair.get("turn_order")
+        if isinstance(order, list):
+            fair["turn_order"] = [t for t in order if t == tenant_id]
+        view["fair_share"] = fair
+    return view
+
+
 def add_routes(app: FastAPI, stats: Callable[[], dict[str, Any]]) -> None:
 
     @app.get(f"{API}/lorafleet/stats")
     async def server_stats(request: Request) -> dict[str, Any]:
-        tenant(request)
-        return stats()
+        caller = tenant(request)
+        return stats() if caller.operator else own_view(stats(), caller.id)
