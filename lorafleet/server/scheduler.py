@@ -687,12 +687,8 @@ class Scheduler:
                 raise RuntimeError(
                     f"forward_backward: executor returned {len(items)} results for {len(chunks)} chunks"
                 )
-        except Exception as exc:
-            if disk.is_disk_full(exc):
-                log.warning("forward_backward: the data disk is full (%s)", exc)
-            else:
-                log.exception("engine failure in forward_backward of %d chunk(s)", len(chunks))
-            items = [self._failure("running forward_backward", exc)] * len(chunks)
+        except Exception as exc:  # noqa: BLE001 - logged by _batch_failure, each op gets it
+            items = [self._batch_failure("forward_backward", len(chunks), exc)] * len(chunks)
         self._count_batch("forward_backward", [c.op for c in chunks])
         self._report_work(
             "forward_backward",
@@ -792,6 +788,15 @@ class Scheduler:
         except Exception:
             log.exception("the work hook failed for a %s batch of %d op(s)", kind, len(work))
 
+    def _batch_failure(self, name: str, count: int, exc: Exception) -> Result:
+        """Logs a failed engine batch (called in its `except`) and returns the error each of its
+        ops gets. A full disk is logged as a warning: it is the host's state, not a bug."""
+        if disk.is_disk_full(exc):
+            log.warning("%s of %d request(s): the data disk is full (%s)", name, count, exc)
+        else:
+            log.exception("engine failure in %s batch of %d request(s)", name, count)
+        return self._failure(f"running {name}", exc)
+
     def _run_group(self, name: str, ops: list[Op], run: Callable[[list[Op]], list[Result]]) -> None:
         began = time.monotonic()
         try:
@@ -800,12 +805,8 @@ class Scheduler:
                 raise RuntimeError(
                     f"{name}: executor returned {len(results)} results for {len(ops)} ops"
                 )
-        except Exception as exc:
-            if disk.is_disk_full(exc):
-                log.warning("%s of %d request(s): the data disk is full (%s)", name, len(ops), exc)
-            else:
-                log.exception("engine failure in %s batch of %d request(s)", name, len(ops))
-            results = [self._failure(f"running {name}", exc)] * len(ops)
+        except Exception as exc:  # noqa: BLE001 - logged by _batch_failure, each op gets it
+            results = [self._batch_failure(name, len(ops), exc)] * len(ops)
         if name != "control":
             self._count_batch(name, ops)
         finished = list(zip(ops, results, strict=True))

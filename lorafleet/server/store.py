@@ -24,10 +24,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, TypeVar
 
 from lorafleet.server import disk
 
+_T = TypeVar("_T")
 SCHEMA_VERSION = 3
 """1: checkpoint dirs absolute; 2: relative to the data dir; 3: the usage table (metering)."""
 
@@ -322,6 +323,9 @@ class Store:
             return self._db.execute(sql, args).fetchall()
 
     def _run(self, sql: str, args: tuple) -> int:
+        return self._write(lambda db: db.execute(sql, args).rowcount)
+
+    def _write(self, write: Callable[[sqlite3.Connection], _T]) -> _T:
         """A write. On a full disk it first makes room (the WAL checkpointed and truncated, then
         the disk guard's reserve released) and retries; if that is not enough, DiskFull."""
         failure: sqlite3.OperationalError | None = None
@@ -332,7 +336,7 @@ class Store:
                 try:
                     if remedy is None and disk.injected_full():
                         raise sqlite3.OperationalError("database or disk is full")
-                    return self._db.execute(sql, args).rowcount
+                    return write(self._db)
                 except sqlite3.OperationalError as exc:
                     if not disk.is_disk_full(exc):
                         raise
@@ -796,24 +800,16 @@ class Store:
         transaction (metering flushes its counts in batches, not per request)."""
         if not rows:
             return
-        failure: sqlite3.OperationalError | None = None
-        with self._lock:
-            for remedy in (None, self._truncate_wal, self._on_disk_full):
-                if remedy is not None and not remedy():
-                    continue
-                try:
-                    with self._tx() as db:
-                        db.executemany(
-                            "INSERT INTO usage VALUES (?, ?, ?, ?, ?) ON CONFLICT (tenant, run, "
-                            "day, counter) DO UPDATE SET value = value + excluded.value",
-                            rows,
-                        )
-                    return
-                except sqlite3.OperationalError as exc:
-                    if not disk.is_disk_full(exc):
-                        raise
-                    failure = exc
-        raise disk.disk_full_error() from failure
+
+        def add(_db: sqlite3.Connection) -> None:
+            with self._tx() as db:
+                db.executemany(
+                    "INSERT INTO usage VALUES (?, ?, ?, ?, ?) ON CONFLICT (tenant, run, "
+                    "day, counter) DO UPDATE SET value = value + excluded.value",
+                    rows,
+                )
+
+        self._write(add)
 
     def usage_rows(
         self, tenant: str | None, since_day: str | None = None

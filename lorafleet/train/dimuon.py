@@ -26,13 +26,12 @@ stepped matrix of one shape run as one batched matmul chain over slots and layer
 from __future__ import annotations
 
 import math
-import operator
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
 
 import torch
 
 from lorafleet.adapters.hparams import DimuonHParams
+from lorafleet.train.optim import SlotBookkeeping
 
 __all__ = ["NS_COEFFICIENTS", "NS_STEPS", "BankDimuon", "SlotMatrices", "matrix_sign"]
 
@@ -65,7 +64,7 @@ def matrix_sign(m: torch.Tensor) -> torch.Tensor:
     return x.mT if tall else x
 
 
-class BankDimuon:
+class BankDimuon(SlotBookkeeping):
     """Dimuon for the adapter slots of one bank set; ``params``/``grads`` updated in place.
 
     ``matrices`` maps a slot and a flat row to the adapter's LoRA matrices (views), which is
@@ -101,33 +100,6 @@ class BankDimuon:
             _, weights = self.matrices(slot, self.params[slot])
             views = self._views[slot] = (rank, moments, weights)
         return views
-
-    # -- slot bookkeeping -------------------------------------------------------------
-
-    def _check_slot(self, slot: Any) -> int:
-        if isinstance(slot, bool):
-            raise ValueError(f"invalid adapter slot {slot!r}")
-        try:
-            s = operator.index(slot)
-        except TypeError:
-            raise ValueError(f"invalid adapter slot {slot!r}: not an integer") from None
-        if not 1 <= s < self.num_slots:
-            raise ValueError(
-                f"invalid adapter slot {s}: must be in [1, {self.num_slots - 1}] "
-                f"(slot 0 is reserved)"
-            )
-        return s
-
-    def note_gradient(self, slots: Iterable[int]) -> None:
-        checked = [self._check_slot(s) for s in slots]
-        if checked:
-            self.pending[checked] = True
-
-    def has_pending_gradient(self, slot: int) -> bool:
-        return bool(self.pending[self._check_slot(slot)])
-
-    def slot_step(self, slot: int) -> int:
-        return int(self.step_count[self._check_slot(slot)])
 
     def reset_slot(self, slot: int) -> None:
         s = self._check_slot(slot)

@@ -30,37 +30,13 @@ __all__ = ["AdamHParams", "BankAdamW"]
 _CLIP_EPS = 1e-6
 
 
-class BankAdamW:
-    """AdamW for every adapter slot of one bank set, stepped slot-subset at a time.
+class SlotBookkeeping:
+    """What every bank optimizer keeps per slot on the CPU: the step count and whether a
+    gradient waits to be applied; slot 0 is the shared "no adapter" row and has no state."""
 
-    ``params`` and ``grads`` are updated in place (the per-layer parameters and their
-    ``.grad`` are views into them, so they must never be replaced). Moments live on the
-    parameters' device; step counts and pending flags are tiny bookkeeping kept on the
-    CPU so that per-slot bias corrections can be computed in float64 on the host exactly
-    as torch does, without a device sync.
-    """
-
-    def __init__(self, params: torch.Tensor, grads: torch.Tensor) -> None:
-        if params.dim() != 2:
-            raise ValueError(f"params must be 2-D [slots, P], got shape {tuple(params.shape)}")
-        if params.dtype != torch.float32:
-            raise ValueError(f"params must be float32, got {params.dtype}")
-        if grads.shape != params.shape or grads.dtype != params.dtype:
-            raise ValueError(
-                f"grads must match params ({tuple(params.shape)}, {params.dtype}), "
-                f"got {tuple(grads.shape)}, {grads.dtype}"
-            )
-        if grads.device != params.device:
-            raise ValueError(f"grads on {grads.device} but params on {params.device}")
-        self.params = params
-        self.grads = grads
-        self.num_slots, self.row_size = params.shape
-        self.exp_avg = torch.zeros_like(params, memory_format=torch.contiguous_format)
-        self.exp_avg_sq = torch.zeros_like(params, memory_format=torch.contiguous_format)
-        self.step_count = torch.zeros(self.num_slots, dtype=torch.int64)
-        self.pending = torch.zeros(self.num_slots, dtype=torch.bool)
-
-    # -- slot bookkeeping -------------------------------------------------------------
+    num_slots: int
+    step_count: torch.Tensor  # int64 [slots]
+    pending: torch.Tensor  # bool [slots]
 
     def _check_slot(self, slot: Any) -> int:
         """Normalise a slot index; slot 0 is the shared "no adapter" row and has no state."""
@@ -92,6 +68,37 @@ class BankAdamW:
 
     def slot_step(self, slot: int) -> int:
         return int(self.step_count[self._check_slot(slot)])
+
+
+class BankAdamW(SlotBookkeeping):
+    """AdamW for every adapter slot of one bank set, stepped slot-subset at a time.
+
+    ``params`` and ``grads`` are updated in place (the per-layer parameters and their
+    ``.grad`` are views into them, so they must never be replaced). Moments live on the
+    parameters' device; step counts and pending flags are tiny bookkeeping kept on the
+    CPU so that per-slot bias corrections can be computed in float64 on the host exactly
+    as torch does, without a device sync.
+    """
+
+    def __init__(self, params: torch.Tensor, grads: torch.Tensor) -> None:
+        if params.dim() != 2:
+            raise ValueError(f"params must be 2-D [slots, P], got shape {tuple(params.shape)}")
+        if params.dtype != torch.float32:
+            raise ValueError(f"params must be float32, got {params.dtype}")
+        if grads.shape != params.shape or grads.dtype != params.dtype:
+            raise ValueError(
+                f"grads must match params ({tuple(params.shape)}, {params.dtype}), "
+                f"got {tuple(grads.shape)}, {grads.dtype}"
+            )
+        if grads.device != params.device:
+            raise ValueError(f"grads on {grads.device} but params on {params.device}")
+        self.params = params
+        self.grads = grads
+        self.num_slots, self.row_size = params.shape
+        self.exp_avg = torch.zeros_like(params, memory_format=torch.contiguous_format)
+        self.exp_avg_sq = torch.zeros_like(params, memory_format=torch.contiguous_format)
+        self.step_count = torch.zeros(self.num_slots, dtype=torch.int64)
+        self.pending = torch.zeros(self.num_slots, dtype=torch.bool)
 
     def reset_slot(self, slot: int) -> None:
         """Forget a slot's optimizer history so a re-used slot starts like a fresh AdamW."""

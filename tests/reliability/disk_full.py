@@ -17,6 +17,7 @@ SDK's RestClient and saves again.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import tinker
 
 from tests.reliability.harness import BASE_MODEL, REPO, free_port, tenant_keys
@@ -48,6 +50,30 @@ def tmpfs_allowed(probe_dir: Path) -> bool:
     except (OSError, subprocess.TimeoutExpired):
         return False
     return done.returncode == 0 and not (probe_dir / "ok").exists()  # the mount stayed private
+
+
+def run_on_small_tmpfs(tmp_path: Path, script: str, size: str = "2m") -> dict[str, Any]:
+    """Runs the Python `script` (given the mount point as its argument) in a private mount
+    namespace with a `size` tmpfs mounted, and returns the JSON object its last stdout line
+    holds. Skips the calling test where the machine forbids the mount."""
+    if not tmpfs_allowed(tmp_path / "probe"):
+        pytest.skip("this machine does not permit a private tmpfs mount (unshare -rm)")
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    path = tmp_path / "on_small_tmpfs.py"
+    path.write_text(script)
+    command = f'mount -t tmpfs -o size={size} tmpfs {mount} && exec "$@"'
+    done = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", command, "sh", sys.executable, str(path), str(mount)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return out
 
 
 class DiskServer:

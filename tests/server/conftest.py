@@ -7,6 +7,7 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TINKER_TELEMETRY"] = "0"
@@ -88,6 +89,28 @@ def sl_datum(tokens: list[int], weights: list[float] | None = None) -> types.Dat
         model_input=types.ModelInput.from_ints(tokens[:-1]),
         loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights},
     )
+
+
+TRAIN_DATA = [
+    sl_datum([8, 16, 24, 32, 40, 48, 56, 64, 72, 80]),
+    sl_datum([301, 302, 303, 304, 305]),
+]
+
+
+def trained(sc: tinker.ServiceClient, base_model: str, seed: int) -> tinker.TrainingClient:
+    """A rank-8 run one step into TRAIN_DATA: weights that differ from a fresh adapter's."""
+    tc = sc.create_lora_training_client(base_model=base_model, rank=8, seed=seed).result()
+    fwd = tc.forward_backward(TRAIN_DATA, "cross_entropy")
+    opt = tc.optim_step(types.AdamParams(learning_rate=5e-2))
+    fwd.result()
+    opt.result()
+    return tc
+
+
+def forward_logprobs(tc: tinker.TrainingClient) -> list[Any]:
+    """The run's target log-probs of TRAIN_DATA, one array per datum."""
+    out = tc.forward(TRAIN_DATA, "cross_entropy").result().loss_fn_outputs
+    return [o["logprobs"].to_numpy() for o in out]
 
 
 def rl_datum(

@@ -7,13 +7,7 @@ cannot store still keep their sessions alive."""
 from __future__ import annotations
 
 import asyncio
-import json
-import subprocess
-import sys
 import time
-from pathlib import Path
-
-import pytest
 
 from lorafleet.server import disk
 from lorafleet.server.auth import Tenant
@@ -103,25 +97,9 @@ print(json.dumps(out))
 def test_deleting_a_checkpoint_works_on_a_disk_with_no_byte_left(tmp_path):
     """A real 2 MiB tmpfs in a private mount namespace (`unshare -rm`), filled until SQLite
     cannot write at all: the delete frees the files to make room for the row's DELETE."""
-    from tests.reliability.disk_full import tmpfs_allowed
+    from tests.reliability.disk_full import run_on_small_tmpfs
 
-    if not tmpfs_allowed(tmp_path / "probe"):
-        pytest.skip("this machine does not permit a private tmpfs mount (unshare -rm)")
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    script = tmp_path / "delete_on_full_disk.py"
-    script.write_text(_DELETE_ON_FULL_DISK)
-    command = f'mount -t tmpfs -o size=2m tmpfs {mount} && exec "$@"'
-    done = subprocess.run(
-        ["unshare", "-rm", "sh", "-c", command, "sh", sys.executable, str(script), str(mount)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=Path(__file__).resolve().parents[2],
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = run_on_small_tmpfs(tmp_path, _DELETE_ON_FULL_DISK)
     assert out == {
         "refused_before": True,
         "delete": "ok",

@@ -12,8 +12,6 @@ import asyncio
 import errno
 import json
 import sqlite3
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -379,25 +377,9 @@ def test_sqlite_on_a_really_full_disk_makes_room_then_says_disk_full(tmp_path):
     to write anything; the store truncates its WAL and releases the disk reserve so that a
     result is still recorded, and once no room is left it raises DiskFull (507), never
     sqlite3.OperationalError, and works again when space returns."""
-    from tests.reliability.disk_full import tmpfs_allowed
+    from tests.reliability.disk_full import run_on_small_tmpfs
 
-    if not tmpfs_allowed(tmp_path / "probe"):
-        pytest.skip("this machine does not permit a private tmpfs mount (unshare -rm)")
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    script = tmp_path / "full_disk.py"
-    script.write_text(_FULL_DISK_SCRIPT)
-    command = f'mount -t tmpfs -o size=2m tmpfs {mount} && exec "$@"'
-    done = subprocess.run(
-        ["unshare", "-rm", "sh", "-c", command, "sh", sys.executable, str(script), str(mount)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=Path(__file__).resolve().parents[2],
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = run_on_small_tmpfs(tmp_path, _FULL_DISK_SCRIPT)
     assert out["reserve"] == 128 << 10
     assert out["finished_on_full_disk"] == "done" and out["guard_full"] is True
     assert out["error"] == [507, disk.FULL_MESSAGE]

@@ -18,26 +18,15 @@ import pytest
 import tinker
 import torch
 from safetensors.torch import load_file
-from tinker import types
 
 from lorafleet.model.loader import load_base
-from tests.server.conftest import KEY_A, KEY_B, sl_datum
-
-DATA = [sl_datum([8, 16, 24, 32, 40, 48, 56, 64, 72, 80]), sl_datum([301, 302, 303, 304, 305])]
-
-
-def _trained(sc: tinker.ServiceClient, base_model: str, seed: int) -> tinker.TrainingClient:
-    tc = sc.create_lora_training_client(base_model=base_model, rank=8, seed=seed).result()
-    fwd = tc.forward_backward(DATA, "cross_entropy")
-    opt = tc.optim_step(types.AdamParams(learning_rate=5e-2))
-    fwd.result()
-    opt.result()
-    return tc
-
-
-def _server_logprobs(tc: tinker.TrainingClient) -> list[np.ndarray]:
-    out = tc.forward(DATA, "cross_entropy").result().loss_fn_outputs
-    return [o["logprobs"].to_numpy() for o in out]
+from tests.server.conftest import (
+    KEY_A,
+    KEY_B,
+    TRAIN_DATA,
+    forward_logprobs,
+    trained,
+)
 
 
 def _peft_logprobs(adapter_dir: Path) -> list[np.ndarray]:
@@ -46,7 +35,7 @@ def _peft_logprobs(adapter_dir: Path) -> list[np.ndarray]:
     model = PeftModel.from_pretrained(load_base("tiny-qwen3").model, str(adapter_dir))
     result = []
     with torch.no_grad():
-        for datum in DATA:
+        for datum in TRAIN_DATA:
             ids = torch.tensor([datum.model_input.to_ints()])
             targets = torch.tensor(datum.loss_fn_inputs["target_tokens"].to_numpy())
             logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
@@ -75,7 +64,7 @@ def _with_query(url: str, **changes: str) -> str:
 
 
 def test_plain_export_urls_and_signed_links(server, client_a, base_model):
-    tc = _trained(client_a, base_model, seed=3)
+    tc = trained(client_a, base_model, seed=3)
     path = tc.save_weights_external("plain").result().path
     assert path == f"tinker://{tc.model_id}/external_weights/plain"
 
@@ -131,7 +120,7 @@ def test_plain_export_urls_and_signed_links(server, client_a, base_model):
 
 
 def test_encrypted_export_decrypts_to_the_plain_files(server, client_a, base_model):
-    tc = _trained(client_a, base_model, seed=4)
+    tc = trained(client_a, base_model, seed=4)
     plain = tc.save_weights_external("clear").result().path
     identity = pyrage.x25519.Identity.generate()
     encrypted = tc.save_weights_external(
@@ -161,7 +150,7 @@ def test_cookbook_download_of_a_training_checkpoint_loads_in_peft(
 ):
     weights = pytest.importorskip("tinker_cookbook.weights")
     monkeypatch.setenv("TINKER_API_KEY", KEY_A)
-    tc = _trained(client_a, base_model, seed=5)
+    tc = trained(client_a, base_model, seed=5)
     state = tc.save_state("for-download").result().path
 
     out = weights.download(
@@ -171,7 +160,7 @@ def test_cookbook_download_of_a_training_checkpoint_loads_in_peft(
     assert files == ["adapter_config.json", "adapter_model.safetensors"]
     tensors = load_file(Path(out) / "adapter_model.safetensors")
     assert tensors and all(k.startswith("base_model.model.") for k in tensors)
-    for ours, theirs in zip(_server_logprobs(tc), _peft_logprobs(Path(out)), strict=True):
+    for ours, theirs in zip(forward_logprobs(tc), _peft_logprobs(Path(out)), strict=True):
         np.testing.assert_allclose(theirs, ours, rtol=0, atol=2e-5)
 
     # the cookbook deleted its temporary export; the training checkpoint stays
@@ -199,7 +188,7 @@ def test_cookbook_sampler_path_download_is_the_clients_limit(
 
     assert not hasattr(tinker.RestClient, "get_checkpoint_archive_url_from_tinker_path")
     monkeypatch.setenv("TINKER_API_KEY", KEY_A)
-    tc = _trained(client_a, base_model, seed=6)
+    tc = trained(client_a, base_model, seed=6)
     sampler = tc.save_weights_for_sampler("s").result().path
     with pytest.raises(WeightsDownloadError, match="Failed to get download URL"):
         weights.download(

@@ -16,28 +16,18 @@ import pytest
 import tinker
 from tinker import types
 
-from tests.server.conftest import KEY_A, KEY_B, sl_datum
+from tests.server.conftest import (
+    KEY_A,
+    KEY_B,
+    forward_logprobs,
+    trained,
+)
 
-DATA = [sl_datum([8, 16, 24, 32, 40, 48, 56, 64, 72, 80]), sl_datum([301, 302, 303, 304, 305])]
 PROMPT = types.ModelInput.from_ints([10, 20, 30, 40])
 
 
 def _rest(server, key: str) -> tinker.RestClient:
     return tinker.RestClient(base_url=server.base_url, api_key=key)
-
-
-def _trained(sc: tinker.ServiceClient, base_model: str, seed: int) -> tinker.TrainingClient:
-    tc = sc.create_lora_training_client(base_model=base_model, rank=8, seed=seed).result()
-    fwd = tc.forward_backward(DATA, "cross_entropy")
-    opt = tc.optim_step(types.AdamParams(learning_rate=5e-2))
-    fwd.result()
-    opt.result()
-    return tc
-
-
-def _lp(tc: tinker.TrainingClient) -> list[np.ndarray]:
-    out = tc.forward(DATA, "cross_entropy").result().loss_fn_outputs
-    return [o["logprobs"].to_numpy() for o in out]
 
 
 def _session_id(tc: tinker.TrainingClient) -> str:
@@ -55,7 +45,7 @@ def _checkpoint(rc: tinker.RestClient, run_id: str, checkpoint_id: str) -> types
 
 def test_publish_shares_weights_but_not_the_optimizer(server, client_a, client_b, base_model):
     rc_a, rc_b = _rest(server, KEY_A), _rest(server, KEY_B)
-    tc = _trained(client_a, base_model, seed=11)
+    tc = trained(client_a, base_model, seed=11)
     state = tc.save_state("shared").result().path
     sampler = tc.save_weights_for_sampler("shared").result().path
     for path in (state, sampler):
@@ -78,7 +68,7 @@ def test_publish_shares_weights_but_not_the_optimizer(server, client_a, client_b
 
     # B: weights only. A run from the state has A's weights; the optimizer state is refused.
     from_state = client_b.create_training_client_from_state(state).result()
-    for ours, theirs in zip(_lp(tc), _lp(from_state), strict=True):
+    for ours, theirs in zip(forward_logprobs(tc), forward_logprobs(from_state), strict=True):
         np.testing.assert_array_equal(ours, theirs)
     with pytest.raises(tinker.PermissionDeniedError, match="weights only"):
         client_b.create_training_client_from_state_with_optimizer(state).result()
@@ -117,12 +107,14 @@ def test_publish_shares_weights_but_not_the_optimizer(server, client_a, client_b
     with pytest.raises(tinker.NotFoundError):
         rc_b.list_checkpoints(tc.model_id).result()
     # the owner's checkpoint is untouched by all this
-    assert _lp(client_a.create_training_client_from_state(state).result())[0].shape == (9,)
+    assert forward_logprobs(client_a.create_training_client_from_state(state).result())[
+        0
+    ].shape == (9,)
 
 
 def test_copy_weights_into_a_project(server, client_a, client_b, base_model):
     rc_a, rc_b = _rest(server, KEY_A), _rest(server, KEY_B)
-    tc = _trained(client_a, base_model, seed=12)
+    tc = trained(client_a, base_model, seed=12)
     state = tc.save_state("to-copy", user_metadata={"k": "v"}).result().path
     sampler = tc.save_weights_for_sampler("to-copy").result().path
 
@@ -135,10 +127,12 @@ def test_copy_weights_into_a_project(server, client_a, client_b, base_model):
     assert [r.training_run_id for r in in_project.training_runs] == [run_id]
 
     # the copy is its own files: deleting the source leaves it loadable, with the same weights
-    before = _lp(client_a.create_training_client_from_state(state).result())
+    before = forward_logprobs(client_a.create_training_client_from_state(state).result())
     rc_a.delete_checkpoint_from_tinker_path(state).result()
     for x, y in zip(
-        before, _lp(client_a.create_training_client_from_state(copy).result()), strict=True
+        before,
+        forward_logprobs(client_a.create_training_client_from_state(copy).result()),
+        strict=True,
     ):
         np.testing.assert_array_equal(x, y)
 
@@ -163,7 +157,7 @@ def test_copy_weights_into_a_project(server, client_a, client_b, base_model):
 def test_copy_weights_into_a_session_slot_and_its_retry(server, client_a, base_model):
     """The request's other form (session_id + model_seq_id), which RestClient.copy_weights
     cannot send, over raw HTTP; and a retry with the same idempotency key gets the same copy."""
-    tc = _trained(client_a, base_model, seed=15)
+    tc = trained(client_a, base_model, seed=15)
     sampler = tc.save_weights_for_sampler("slot").result().path
     sid = _session_id(tc)
     url = f"{server.base_url}/api/v1/copy_weights"
@@ -190,7 +184,7 @@ def _fetch(url: str) -> bytes:
 
 def test_sessions_get_list_search_project_and_trace(server, client_a, client_b, base_model):
     rc_a, rc_b = _rest(server, KEY_A), _rest(server, KEY_B)
-    tc = _trained(client_a, base_model, seed=13)
+    tc = trained(client_a, base_model, seed=13)
     sampling = tc.save_weights_and_get_sampling_client()
     sampling.sample(PROMPT, 1, types.SamplingParams(max_tokens=2)).result()
     sid = _session_id(tc)
@@ -250,7 +244,7 @@ def test_sessions_get_list_search_project_and_trace(server, client_a, client_b, 
 def test_checkpoint_storage_usage_counts_the_tenants_bytes(server, client_a, base_model):
     admin = tinker.AdminClient(base_url=server.base_url, api_key=KEY_A)
     rc = _rest(server, KEY_A)
-    tc = _trained(client_a, base_model, seed=14)
+    tc = trained(client_a, base_model, seed=14)
     rc.assign_session_project(_session_id(tc), "usage-proj").result()
     tc.save_state("u1").result()
     tc.save_weights_for_sampler("u1").result()
