@@ -29,8 +29,9 @@ from typing import Any, TypeVar
 from lorafleet.server import disk
 
 _T = TypeVar("_T")
-SCHEMA_VERSION = 3
-"""1: checkpoint dirs absolute; 2: relative to the data dir; 3: the usage table (metering)."""
+SCHEMA_VERSION = 4
+"""1: checkpoint dirs absolute; 2: relative to the data dir; 3: the usage table (metering);
+4: model aliases (OpenAI routes) and run metrics (console curves)."""
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -103,6 +104,23 @@ CREATE TABLE IF NOT EXISTS sampling_sessions (
     adapter_version INTEGER,
     created_at REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS aliases (
+    tenant TEXT NOT NULL,
+    alias TEXT NOT NULL,
+    target TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    PRIMARY KEY (tenant, alias)
+);
+CREATE TABLE IF NOT EXISTS run_metrics (
+    tenant TEXT NOT NULL,
+    run TEXT NOT NULL,
+    name TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    value REAL NOT NULL,
+    source TEXT NOT NULL,
+    at REAL NOT NULL,
+    PRIMARY KEY (tenant, run, name, step, source)
+);
 """
 
 
@@ -168,9 +186,28 @@ def _v2_usage_table(db: sqlite3.Connection) -> None:
     db.execute(_USAGE_TABLE)
 
 
+_ALIASES_TABLE = (
+    "CREATE TABLE IF NOT EXISTS aliases (tenant TEXT NOT NULL, alias TEXT NOT NULL, "
+    "target TEXT NOT NULL, created_at REAL NOT NULL, PRIMARY KEY (tenant, alias))"
+)
+_RUN_METRICS_TABLE = (
+    "CREATE TABLE IF NOT EXISTS run_metrics (tenant TEXT NOT NULL, run TEXT NOT NULL, "
+    "name TEXT NOT NULL, step INTEGER NOT NULL, value REAL NOT NULL, source TEXT NOT NULL, "
+    "at REAL NOT NULL, PRIMARY KEY (tenant, run, name, step, source))"
+)
+
+
+def _v3_aliases_and_run_metrics(db: sqlite3.Connection) -> None:
+    """Aliases a tenant gives its sampler paths (the OpenAI routes' `model`), and per-step run
+    metrics (the server's own loss, and what clients post) for the console's curves."""
+    db.execute(_ALIASES_TABLE)
+    db.execute(_RUN_METRICS_TABLE)
+
+
 _MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
     1: _v1_relative_dirs,
     2: _v2_usage_table,
+    3: _v3_aliases_and_run_metrics,
 }
 """schema version -> the step to the next one; all steps run in one transaction at open."""
 

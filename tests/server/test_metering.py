@@ -171,6 +171,8 @@ def test_a_schema_2_database_gains_the_usage_table(tmp_path):
     Store(path).close()
     with sqlite3.connect(path) as db:  # as a server before metering left it
         db.execute("DROP TABLE usage")
+        db.execute("DROP TABLE aliases")
+        db.execute("DROP TABLE run_metrics")
         db.execute("UPDATE meta SET value='2' WHERE key='schema_version'")
     store = Store(path)
     try:
@@ -181,4 +183,6 @@ def test_a_schema_2_database_gains_the_usage_table(tmp_path):
         store.close()
     with sqlite3.connect(path) as db:
         version = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-    assert int(version[0]) == SCHEMA_VERSION == 3
+        tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    assert int(version[0]) == SCHEMA_VERSION == 4
+    assert {"usage", "aliases", "run_metrics"} <= tables
