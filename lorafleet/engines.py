@@ -28,13 +28,22 @@ from lorafleet.model.kernels import KernelName
 from lorafleet.model.loader import LoadedBase
 from lorafleet.sample.engine import DEFAULT_MAX_ROWS, SampleEngine
 from lorafleet.sample.versions import VersionStore
+from lorafleet.sync.rollout_config import RolloutConfig
 from lorafleet.train.engine import DEFAULT_TOKEN_BUDGET, TrainEngine
 
 if TYPE_CHECKING:
     from lorafleet.distributed.protocol import RankSettings
     from lorafleet.distributed.remote import DistTrainEngine
 
-__all__ = ["Colocated", "DistConfig", "EngineConfig", "EngineSet", "build_engines", "colocate"]
+__all__ = [
+    "Colocated",
+    "DistConfig",
+    "EngineConfig",
+    "EngineSet",
+    "RolloutConfig",
+    "build_engines",
+    "colocate",
+]
 
 
 @dataclass(frozen=True)
@@ -54,6 +63,13 @@ class EngineConfig:
     # Host memory for training runs paged out of their slots (the warm tier); past it the least
     # recently used go to disk (lorafleet.server.live_models). Pinned memory on an accelerator.
     warm_bytes: int = 1 << 30
+    # which engine samples (lorafleet.sync.rollout_config): None or embedded = the colocated
+    # sampler; vLLM/SGLang replicas sample while the colocated trainer stays the source
+    rollout: RolloutConfig | None = None
+    # KV of prompt prefixes the embedded sampler keeps across requests (sample/prefix_cache.py);
+    # None = its default (a share of the row pool's KV), 0 = off. Ray sampler replicas keep
+    # their engines' default (this setting and their counters do not reach them yet).
+    prefix_cache_bytes: int | None = None
 
 
 # --------------------------------------------------------------------------- colocated
@@ -84,6 +100,7 @@ def colocate(
     max_rows: int = DEFAULT_MAX_ROWS,
     kernel: KernelName = "auto",
     token_budget: int = DEFAULT_TOKEN_BUDGET,
+    prefix_cache_bytes: int | None = None,
 ) -> Colocated:
     """Wraps `model` once; `train_slots`/`sample_slots` adapters (slot 0, the base, not counted).
 
@@ -98,7 +115,13 @@ def colocate(
         adapted, bank="train", base_model_id=base_model_id, token_budget=token_budget
     )
     versions = VersionStore(sample_bank, base_model_id=base_model_id)
-    sampler = SampleEngine(adapted, versions, tokenizer=tokenizer, max_rows=max_rows)
+    sampler = SampleEngine(
+        adapted,
+        versions,
+        tokenizer=tokenizer,
+        max_rows=max_rows,
+        prefix_cache_bytes=prefix_cache_bytes,
+    )
     return Colocated(adapted=adapted, trainer=trainer, versions=versions, sampler=sampler)
 
 
@@ -110,6 +133,8 @@ def build_engines(config: EngineConfig, base: LoadedBase, targets: Sequence[str]
 
     The caller loads the base and resolves the targets: it also needs the base's own modules
     (e.g. to resolve other target sets) before the engines wrap them."""
+    if config.rollout is not None and config.rollout.external:
+        return _rollout_engines(config, config.rollout, base, targets)
     if config.dist is None:
         return colocate(
             base.model,
@@ -121,11 +146,46 @@ def build_engines(config: EngineConfig, base: LoadedBase, targets: Sequence[str]
             r_max=config.max_lora_rank,
             max_rows=config.max_sample_rows,
             token_budget=config.token_budget,
+            prefix_cache_bytes=config.prefix_cache_bytes,
         ).engines()
     config.dist.validate()
     if config.dist.ray is None:
         return _torchrun_engines(config, config.dist, base, targets)
     return _ray_engines(config, config.dist, base, targets)
+
+
+def _rollout_engines(
+    config: EngineConfig, rollout: RolloutConfig, base: LoadedBase, targets: Sequence[str]
+) -> EngineSet:
+    """The colocated trainer, with vLLM/SGLang replicas sampling (`sync.pool.RolloutPool`); the
+    embedded sampler is kept (one slot) only for its request limits."""
+    if config.dist is not None:
+        raise ValueError(
+            f"--rollout-engine {rollout.engine} runs with the colocated trainer only, not with "
+            "--trainer-ranks/--ray"
+        )
+    from lorafleet.sync.pool_builder import build_pool
+
+    stack = colocate(
+        base.model,
+        targets,
+        base_model_id=base.model_id,
+        tokenizer=base.tokenizer,
+        train_slots=config.max_adapters,
+        sample_slots=1,
+        r_max=config.max_lora_rank,
+        max_rows=config.max_sample_rows,
+        token_budget=config.token_budget,
+    )
+    pool = build_pool(
+        rollout,
+        stack.trainer,
+        limits=stack.sampler.limits,
+        dtype=config.dtype,
+        model_dir=base.path,
+        max_lora_rank=config.max_lora_rank,
+    )
+    return EngineSet(trainer=stack.trainer, sampler=pool, owned=(pool,))
 
 
 def _rank_settings(config: EngineConfig, dist: DistConfig, targets: Sequence[str]) -> RankSettings:
@@ -178,7 +238,11 @@ def _torchrun_engines(
         raise RuntimeError("the sampler bank and the trainer ranks' bank have different layouts")
     versions = VersionStore(bank, base_model_id=base.model_id)
     sampler = SampleEngine(
-        adapted, versions, tokenizer=base.tokenizer, max_rows=config.max_sample_rows
+        adapted,
+        versions,
+        tokenizer=base.tokenizer,
+        max_rows=config.max_sample_rows,
+        prefix_cache_bytes=config.prefix_cache_bytes,
     )
     return EngineSet(trainer=trainer, sampler=sampler, owned=(trainer,))
 

@@ -40,6 +40,7 @@ __all__ = [
     "Closeable",
     "EngineSet",
     "PagingReport",
+    "RolloutReport",
     "Sampler",
     "SlotPager",
     "SlotRows",
@@ -182,6 +183,18 @@ class SlotPager(Protocol):
     def write_slot(self, state: SlotState, dest: str | Path) -> int: ...
 
     def read_slot(self, src: str | Path) -> SlotState: ...
+
+
+@runtime_checkable
+class RolloutReport(Protocol):
+    """A sampler over rollout-engine replicas (`lorafleet.sync.pool.RolloutPool`) reports them:
+    `rollout_stats()` is the operator's view (engine, sync mode, each replica's state, versions,
+    last canary, restarts, error) and `health()` is "ok", "degraded" (some replicas out of
+    rotation) or "unavailable" (none verified)."""
+
+    def rollout_stats(self) -> dict[str, object]: ...
+
+    def health(self) -> str: ...
 
 
 class VersionRecord(Protocol):

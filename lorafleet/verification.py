@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 from lorafleet.canary import (
     CanaryReport,
+    VerifiesOnPublish,
     canary_tokens,
     check_tokens,
     compare,
@@ -78,11 +79,14 @@ def publish_verified(
     tolerance: float | None = None,
 ) -> tuple[VersionKey, CanaryReport[VersionKey]]:
     """Publishes trainer slot -> sampler, then runs the canary; a failed check withdraws the
-    version before raising, so it is never served."""
-    key = sampler.versions.publish(
-        adapter_id, trainer.bank, trainer_slot, version=version, path=path
-    )
+    version before raising, so it is never served. A version store that checked every replica
+    itself while publishing (`VerifiesOnPublish`: Ray replicas) is not checked a second time."""
+    versions = sampler.versions
+    key = versions.publish(adapter_id, trainer.bank, trainer_slot, version=version, path=path)
     try:
+        checked = versions.verified(key) if isinstance(versions, VerifiesOnPublish) else None
+        if checked is not None and tolerance is None:
+            return key, checked
         result = canary_check(sampler, key, trainer, trainer_slot, tolerance=tolerance)
     except BaseException:
         sampler.versions.drop(key)

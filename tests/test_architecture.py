@@ -43,6 +43,7 @@ ALLOWED: dict[str, frozenset[str]] = {
         {
             "interfaces",
             "verification",
+            "sync",
             "distributed",
             "train",
             "sample",
@@ -66,6 +67,7 @@ ALLOWED: dict[str, frozenset[str]] = {
         }
     ),
     "rl": frozenset({"server", "engines", "model"}),
+    "export": frozenset({"sync", "adapters", "model"}),
 }
 # What `interfaces` may name under TYPE_CHECKING: the layers whose types the protocols mention.
 INTERFACES_MAY_NAME = frozenset({"canary", "model", "adapters", "train", "sample"})

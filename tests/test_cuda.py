@@ -1,8 +1,11 @@
-"""The GPU paths: LoRA kernels, a training step and sampling with the base and banks on CUDA.
+"""The GPU paths: LoRA kernels (the fused Triton one included), training steps, sampling and
+decode replayed from CUDA graphs, with the base and banks on CUDA.
 
 CI has no GPU, so these are skipped there; on a machine with one, `pytest tests/test_cuda.py`
 runs them. `LORAFLEET_TEST_DEVICE=cpu` runs the same checks on the CPU, which is how the
-checks themselves are kept honest where no GPU is at hand.
+checks themselves are kept honest where no GPU is at hand (but for the Triton kernel and CUDA
+graphs, whose CPU counterparts run through Triton's interpreter in
+tests/model/test_triton_lora.py and tests/sample/test_cuda_graph_plan.py).
 """
 
 from __future__ import annotations
@@ -195,4 +198,116 @@ def test_bf16_sampled_logprobs_equal_the_trainers_and_seeds_reproduce(bf16_stack
         # full forward) round differently, by about one bf16 step of the logits.
         torch.testing.assert_close(
             torch.tensor(seq.logprobs), trained[len(text) - 1 :], atol=5e-2, rtol=0
+        )
+
+
+# ----------------------------------------------------------------- issue 25: the GPU path
+
+cuda_only = pytest.mark.skipif(
+    DEVICE != "cuda", reason="the Triton kernel and CUDA graphs run on CUDA only"
+)
+
+
+@cuda_only
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_fused_triton_kernel_matches_the_loop_kernel(x_dtype):
+    """Ragged segments (one past 64 rows), a base row, heterogeneous ranks (zero tails), an
+    absent slot: values and every gradient."""
+    from lorafleet.model.triton_lora import add_routed_lora
+
+    num_slots, rank, d_in, d_out = 5, 16, 96, 80
+    slots = [3, 1, 0, 2, 3, 1, 1, 0, 2] + [2] * 70 + [1, 3]
+    ranks = [0, 4, 16, 9, 0]
+    scales = torch.tensor([0.0, 0.5, 2.0, 1.0, 3.0], device=DEVICE)
+    A0 = _randn(num_slots, rank, d_in, seed=2, scale=0.1)
+    B0 = _randn(num_slots, d_out, rank, seed=3, scale=0.1)
+    for slot, r in enumerate(ranks):
+        A0[slot, r:] = 0
+        B0[slot, :, r:] = 0
+    results = {}
+    for kernel in ("triton", "loop"):
+        x = _randn(len(slots), d_in, seed=1).to(DEVICE, x_dtype).requires_grad_()
+        A = A0.to(DEVICE).requires_grad_()
+        B = B0.to(DEVICE).requires_grad_()
+        base = _randn(len(slots), d_out, seed=5).to(DEVICE, x_dtype)
+        routing = build_routing(torch.tensor(slots, device=DEVICE), scales, bank="t")
+        if kernel == "triton":
+            out = add_routed_lora(base.clone(), x, A, B, routing)
+        else:
+            delta = lora_delta(x, A, B, routing, "loop")
+            assert delta is not None
+            out = base.clone().index_add(0, routing.order, delta.to(x_dtype))
+        (out.float() * _randn(*out.shape, seed=4).to(DEVICE)).sum().backward()
+        results[kernel] = [out.detach(), x.grad, A.grad, B.grad]
+    tol = 2e-4 if x_dtype == torch.float32 else 3e-2
+    for got, want in zip(results["triton"], results["loop"], strict=True):
+        torch.testing.assert_close(got.float().cpu(), want.float().cpu(), atol=tol, rtol=tol)
+
+
+@cuda_only
+def test_a_mixed_training_step_with_the_fused_kernel_matches_the_loop_kernel():
+    """kernel auto on CUDA runs the fused Triton kernel (bf16 base): two adapters, SFT and
+    PPO, one forward_backward + optim_step, against kernel loop on the same device."""
+    from lorafleet.model.kernels import _fused_applies
+
+    runs = {}
+    for kernel in ("auto", "loop"):
+        stack = _stack(torch.bfloat16, DEVICE)
+        stack.trainer.adapted.set_kernel(kernel)  # type: ignore[arg-type]
+        layer = next(iter(stack.trainer.adapted.layers.values()))
+        probe = torch.zeros(1, 4, device=DEVICE, dtype=torch.bfloat16)
+        assert _fused_applies(layer.kernel, probe, stack.trainer.bank.params) is (kernel == "auto")
+        slots = [_adapter(stack, 1), _adapter(stack, 2, rank=8)]
+        out = stack.trainer.forward_backward(
+            [_sft(slots[0], 10, 7), _rl(slots[1], 20, 5), _sft(slots[1], 30, 9)]
+        )
+        grads = stack.trainer.bank.grads
+        assert grads is not None
+        grads = grads.clone()
+        stack.trainer.optim_step({s: AdamHParams(learning_rate=1e-2) for s in slots})
+        runs[kernel] = (
+            torch.cat([item.logprobs.cpu() for item in out.items]),
+            grads.cpu(),
+            stack.trainer.bank.params.detach().cpu(),
+        )
+    (lp, g, p), (lp_ref, g_ref, p_ref) = runs["auto"], runs["loop"]
+    torch.testing.assert_close(lp, lp_ref, atol=5e-2, rtol=0)
+    scale = float(g_ref.abs().max())
+    torch.testing.assert_close(g, g_ref, atol=2e-2 * scale, rtol=5e-2)
+    torch.testing.assert_close(p, p_ref, atol=2e-3, rtol=1e-2)
+    assert g[1:3].abs().sum() > 0
+
+
+@cuda_only
+def test_decode_replayed_from_cuda_graphs_equals_eager(bf16_stack):
+    """Greedy and seeded sampling with rows joining and leaving (different lengths and
+    max_tokens, more requests over time than one bucket): graph replay gives the eager
+    path's tokens, and the graphs were really captured and replayed."""
+    from lorafleet.sample import cuda_graphs
+
+    stack, keys = bf16_stack
+    adapters = [k for _, k in keys] + [None]
+    requests = []
+    for i in range(11):
+        params = SamplingParams(
+            max_tokens=3 + (5 * i) % 9, temperature=0.0 if i % 2 else 0.9, seed=i, stop=[]
+        )
+        requests.append(
+            SampleRequest(_prompt(100 + i, 2 + i % 6), params, adapter=adapters[i % len(adapters)])
+        )
+    eager = stack.sampler.generate(requests)
+    graphs = cuda_graphs.enable(stack.sampler)
+    try:
+        replayed = stack.sampler.generate(requests)
+    finally:
+        stack.sampler.decode_graphs = None
+    assert graphs.fused and graphs.captures >= 2 and graphs.replays > 0, graphs.eager_steps
+    for a, b in zip(eager, replayed, strict=True):
+        assert a.ok and b.ok
+        assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
+        torch.testing.assert_close(
+            torch.tensor(b.sequences[0].logprobs),
+            torch.tensor(a.sequences[0].logprobs),
+            atol=2e-2,
+            rtol=0,
         )

@@ -8,7 +8,10 @@
 - `RayVersionStore` (`pool.versions`): the server's `VersionStore`. Publishing asks trainer rank
   0 for the adapter's per-layer tensors as an object-store object and hands that same object to
   every replica (no shared filesystem; the tensors never pass through the server), then checks
-  each replica's canary log-probs against the trainer's.
+  each replica's canary log-probs against the trainer's. The canary is kept cheap without
+  weakening it: every replica is asked at once while trainer rank 0 computes its side, that
+  side is computed once per version (`ReferenceCache`) and each replica computes its base
+  model's log-probs once, not on every check.
 
 Replicas hold versions in memory only. The store keeps each version's source (its object in
 the store while unsaved, the server's files once saved), so a version a replica's LRU evicted,
@@ -23,8 +26,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from concurrent.futures import Future
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,9 +39,13 @@ from lorafleet.adapters.checkpoint import read_training_state
 from lorafleet.adapters.peft_io import read_peft
 from lorafleet.canary import (
     CanaryReport,
+    Reference,
+    ReferenceCache,
+    ReplicaLogprobs,
+    ReplicaProbe,
     SyncVerificationError,
     canary_tokens,
-    compare,
+    check_replicas,
     layers_are_zero,
     tolerance_for,
 )
@@ -107,6 +115,8 @@ class SamplerReplica:
         # versions received and not dropped (resident or evicted)
         self._keys: set[VersionKey] = set()
         self._load_lock = threading.Lock()
+        # the canary's base-model side, per prompt: the base never changes in this actor
+        self._base_logprobs: dict[tuple[int, ...], torch.Tensor] = {}
 
     def ready(self) -> dict[str, Any]:
         return {
@@ -154,13 +164,17 @@ class SamplerReplica:
         self, key: VersionKey, tokens: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """This replica's prompt log-probs of the canary under `key` and under its base model,
-        through the real sampling path (the canary's "differs from base" rule needs both)."""
+        through the real sampling path (the canary's "differs from base" rule needs both). The
+        base side is computed on this actor's first canary and kept: its base weights are
+        frozen, and a restarted replica is a new actor that computes it again."""
         from lorafleet.sample.canary_probe import sampler_canary_logprobs
 
-        return (
-            sampler_canary_logprobs(self.engine, key, tokens),
-            sampler_canary_logprobs(self.engine, None, tokens),
-        )
+        served = sampler_canary_logprobs(self.engine, key, tokens)
+        base = self._base_logprobs.get(tuple(tokens))
+        if base is None:
+            base = sampler_canary_logprobs(self.engine, None, tokens)
+            self._base_logprobs[tuple(tokens)] = base
+        return served, base
 
     def release_cache(self) -> None:
         self.engine.release_cache()
@@ -220,6 +234,10 @@ class RayVersionStore:
         self.trainer = trainer  # source of payloads and of canary log-probs
         self.verify = verify and trainer is not None
         self._entries: dict[VersionKey, _Entry] = {}
+        # the trainer's side of each published version's canary, computed once
+        self.references: ReferenceCache[VersionKey] = ReferenceCache()
+        self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="canary-reference")
+        self._reports: dict[VersionKey, CanaryReport[VersionKey]] = {}  # the publish check's
 
     # ================================================================ queries
     def info(self, key: VersionKey) -> _Entry:
@@ -274,11 +292,17 @@ class RayVersionStore:
             key = self._new_key(adapter_id, version)
             entry = _Entry(key, ref, saved)
             self._entries[key] = entry
+        verifying = self.verify and self._is_trainer(source)
+        # The trainer computes its side of the canary while the replicas load the version (the
+        # slot does not change during a publish: the server's engine calls wait for it).
+        early = self._background.submit(self._reference, key, source_slot) if verifying else None
         try:
             self._pool.load_everywhere(entry, self.source_of(entry))
-            if self.verify and self._is_trainer(source):
+            if verifying:
                 self.verify_everywhere(key, source_slot)
         except BaseException:
+            if early is not None:
+                wait_for([early])  # not left running for a version being withdrawn
             with contextlib.suppress(UnknownVersionError):
                 self.drop(key)
             raise
@@ -318,6 +342,8 @@ class RayVersionStore:
                     f"adapter version {key!r} was never published or registered on this sampler"
                 )
             del self._entries[key]
+            self._reports.pop(key, None)
+        self.references.forget(key)
         self._pool.drop_everywhere(key)
 
     def evict(self, key: VersionKey) -> None:
@@ -368,27 +394,81 @@ class RayVersionStore:
     def verify_everywhere(
         self, key: VersionKey, trainer_slot: int
     ) -> list[CanaryReport[VersionKey]]:
-        """Every replica must pass the canary (lorafleet.canary's rules) for this version
-        against the trainer's slot; raises SyncVerificationError on the first that does not."""
+        """Every ready replica must pass the canary (lorafleet.canary's rules) for this version
+        against the trainer's slot; raises SyncVerificationError naming every replica that does
+        not. The replicas are asked at once while the trainer computes its side, which is
+        computed once per version: a second call (or a re-synced replica) reuses it."""
         if self.trainer is None:
             raise ValueError("verify_everywhere needs the trainer the versions come from")
-        tolerance = tolerance_for(self._pool.dtype, same_implementation=True)
-        tokens = canary_tokens(self._pool.limits.vocab_size)
-        expected = self.trainer.canary_logprobs(trainer_slot, tokens)
-        zero = layers_are_zero(self.trainer.bank.slot_weights(trainer_slot).values())
-        return [
-            compare(
-                key,
-                served,
-                name=version_name(key),
-                expected=expected,
-                engine_base=base,
-                adapter_zero=zero,
-                tolerance=tolerance,
-                engine=f"sampler replica {index}",
+        tokens = self.canary_prompt()
+        reports = check_replicas(
+            key,
+            self._pool.canary_probes(key, tokens),
+            lambda: self._reference(key, trainer_slot),
+            name=version_name(key),
+            tolerance=self.canary_tolerance(),
+        )
+        checked = [reports[name] for name in sorted(reports)]
+        if checked:
+            with self._lock:
+                if key in self._entries:
+                    self._reports[key] = max(checked, key=lambda r: r.max_abs_diff)
+        return checked
+
+    def _reference(self, key: VersionKey, trainer_slot: int) -> Reference:
+        """The version's trainer side, computed from `trainer_slot` the first time only."""
+        trainer = self.trainer
+        assert trainer is not None
+        tokens = self.canary_prompt()
+
+        def compute() -> Reference:
+            return Reference(
+                trainer.canary_logprobs(trainer_slot, tokens),
+                layers_are_zero(trainer.bank.slot_weights(trainer_slot).values()),
             )
-            for index, (served, base) in self._pool.canary_logprobs(key, tokens)
-        ]
+
+        return self.references.get(key, compute)
+
+    def close(self) -> None:
+        """Nothing waits on a trainer that may be gone: a reference still running is abandoned
+        with the pool."""
+        self._background.shutdown(wait=False, cancel_futures=True)
+
+    def verify_on(
+        self, label: str, handle: Any, key: VersionKey
+    ) -> CanaryReport[VersionKey] | None:
+        """The canary on one replica (`handle`, e.g. a restarted one before it serves again)
+        against the version's recorded reference; None when the version has none (registered
+        from files, or published unverified). Raises SyncVerificationError."""
+        recorded = self.references.recorded(key)
+        if recorded is None:
+            return None
+        tokens = self.canary_prompt()
+        reports = check_replicas(
+            key,
+            {label: lambda: _replica_logprobs(handle, key, tokens)},
+            lambda: recorded,
+            name=version_name(key),
+            tolerance=self.canary_tolerance(),
+        )
+        return reports.get(label)
+
+    def verified(self, version: VersionKey) -> CanaryReport[VersionKey] | None:
+        """What the publish check measured (its largest difference over the replicas), None
+        when this store did not check the version (`lorafleet.canary.VerifiesOnPublish`)."""
+        with self._lock:
+            return self._reports.get(version)
+
+    def canary_prompt(self) -> list[int]:
+        return canary_tokens(self._pool.limits.vocab_size)
+
+    def canary_tolerance(self) -> float:
+        return tolerance_for(self._pool.dtype, same_implementation=True)
+
+
+def _replica_logprobs(handle: Any, key: VersionKey, tokens: list[int]) -> ReplicaLogprobs:
+    served, base = ray_module().get(handle.canary_logprobs.remote(key, tokens))
+    return ReplicaLogprobs(served, base)
 
 
 class RaySamplerPool:
@@ -468,21 +548,29 @@ class RaySamplerPool:
             with contextlib.suppress(ray.exceptions.RayActorError):
                 ray.get(handle.evict.remote(key))
 
-    def canary_logprobs(
-        self, key: VersionKey, tokens: list[int]
-    ) -> Iterator[tuple[int, tuple[torch.Tensor, torch.Tensor]]]:
-        """(replica index, (log-probs of `tokens` under `key`, under the base)) from every ready
-        replica; one that dies meanwhile is replaced in the background and skipped."""
+    def canary_probes(self, key: VersionKey, tokens: list[int]) -> dict[str, ReplicaProbe]:
+        """One canary probe per ready replica, already running (every replica computes at
+        once); a replica that dies meanwhile is replaced in the background and its probe answers
+        None (it is checked again when it comes back)."""
         ray = ray_module()
         with self.lock:
             targets = [(r, r.incarnation, r.handle) for r in self._replicas if r.state == "ready"]
+        probes: dict[str, ReplicaProbe] = {}
         for replica, incarnation, handle in targets:
-            try:
-                values = ray.get(handle.canary_logprobs.remote(key, tokens))
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
-                self._failed(replica, incarnation)
-                continue
-            yield replica.index, values
+            ref = handle.canary_logprobs.remote(key, tokens)
+
+            def probe(
+                replica: _Replica = replica, incarnation: int = incarnation, ref: Any = ref
+            ) -> ReplicaLogprobs | None:
+                try:
+                    served, base = ray.get(ref)
+                except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+                    self._failed(replica, incarnation)
+                    return None
+                return ReplicaLogprobs(served, base)
+
+            probes[f"sampler replica {replica.index}"] = probe
+        return probes
 
     # ================================================================ replica health
     def _ready_handles(self) -> list[Any]:
@@ -552,6 +640,8 @@ class RaySamplerPool:
                     )
                 else:
                     ray.get(handle.load.remote(entry.key, source))
+                    # before it serves again: the trainer's side was recorded at publish
+                    self.versions.verify_on(f"sampler replica {replica.index}", handle, entry.key)
                 loaded.add(entry.key)
         for key in stale:
             ray.get(handle.drop.remote(key))
@@ -701,6 +791,7 @@ class RaySamplerPool:
             self._closed = True
             self._ready.notify_all()
         self._stop.set()
+        self.versions.close()
         for replica in self._replicas:
             with contextlib.suppress(Exception):  # best effort: the replica may be gone
                 ray.kill(replica.handle, no_restart=True)

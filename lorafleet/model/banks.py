@@ -37,7 +37,13 @@ import torch
 from torch import nn
 
 from lorafleet.model import hugepages, native
-from lorafleet.model.kernels import KernelName, add_lora_native, add_lora_output, lora_hidden
+from lorafleet.model.kernels import (
+    KernelName,
+    add_lora_fused,
+    add_lora_native,
+    add_lora_output,
+    lora_hidden,
+)
 from lorafleet.model.routing import BASE_SLOT, Routing, RoutingScope
 
 if TYPE_CHECKING:
@@ -251,6 +257,9 @@ class LoRALinear(nn.Module):
             return out
         if add_lora_native(out, x, layer_bank.A, layer_bank.native_plan, routing, self.kernel):
             return out
+        fused = add_lora_fused(out, x, layer_bank.A, layer_bank.B, routing, self.kernel)
+        if fused is not None:
+            return fused
         flat_x = x.reshape(-1, self._in_features)
         flat_out = out.reshape(-1, self._out_features)
         group = layer_bank.group

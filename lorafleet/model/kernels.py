@@ -24,8 +24,14 @@ result never depends on the rest of the batch. One call per layer matters as muc
 arithmetic: at decode the Python around two calls per layer (and a shared A-projection per
 input group) cost about as much time as the kernels themselves.
 
-Kernel names: `auto` = native when it applies and is built, else grouped (loop when the
-shapes do not fit grouped_mm); `native` = the same, but a missing native library is an error;
+On CUDA a layer's whole LoRA runs as one fused Triton launch instead (`add_lora_fused`, see
+triton_lora.py): shrink, scale, expand and the add into the base output, with a backward for
+training, where the two-call torch path costs several kernel launches per layer.
+
+Kernel names: `auto` = native when it applies and is built, the fused Triton kernel on CUDA
+when triton is importable, else grouped (loop when the shapes do not fit grouped_mm);
+`native` = the same, but a missing native library is an error; `triton` = the fused kernel
+for every plain linear (an error where it cannot run; MoE experts keep the torch path);
 `grouped` / `loop` = torch only.
 
 Never gather per-token weight matrices (`A[slot_ids]`): far slower than segments (figure:
@@ -35,6 +41,7 @@ docs/performance.md).
 from __future__ import annotations
 
 import functools
+import importlib.util
 from typing import Any, Literal
 
 import torch
@@ -42,8 +49,8 @@ import torch
 from lorafleet.model import native
 from lorafleet.model.routing import Routing
 
-KernelName = Literal["auto", "grouped", "loop", "native"]
-KERNELS: tuple[str, ...] = ("auto", "grouped", "loop", "native")
+KernelName = Literal["auto", "grouped", "loop", "native", "triton"]
+KERNELS: tuple[str, ...] = ("auto", "grouped", "loop", "native", "triton")
 
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -89,9 +96,61 @@ def pick_kernel(
             f"kernel 'grouped' cannot run dtype {dtype} with in={in_features}, rank={rank}, "
             f"out={out_features}: every row must be a multiple of 16 bytes"
         )
-    if kernel in ("auto", "native"):
+    if kernel in ("auto", "native", "triton"):
+        # (`triton` fuses whole plain linears in add_lora_fused; what reaches the two-call
+        # path with it, MoE experts, runs as `auto` does.)
         return "grouped" if fits else "loop"
     return kernel
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether triton can be imported here (found without importing it: the import is slow,
+    and only a CUDA forward needs it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+_FUSED_X_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _fused_applies(kernel: KernelName, x: torch.Tensor, A: torch.Tensor) -> bool:
+    """`triton` always (a clear error where it cannot run); `auto` on CUDA with triton
+    importable, fp32 banks and an fp32/bf16 input; never on the CPU for `auto`."""
+    if kernel == "triton":
+        if not triton_available():
+            raise ValueError("kernel 'triton' needs the triton package, which is not installed")
+        return True
+    return (
+        kernel == "auto"
+        and x.is_cuda
+        and A.dtype == torch.float32
+        and x.dtype in _FUSED_X_DTYPES
+        and triton_available()
+    )
+
+
+def add_lora_fused(
+    base_out: torch.Tensor,
+    x: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    routing: Routing,
+    kernel: KernelName = "auto",
+) -> torch.Tensor | None:
+    """base_out + the whole LoRA of x in one fused Triton launch (triton_lora.py), in place,
+    when that kernel applies (`_fused_applies`); None, having done nothing, when it does not.
+
+    x: [..., in] and base_out: [..., out], the layer's input and base output. Returns the
+    result shaped as base_out (under autograd it carries the LoRA's history, so the caller
+    must use it rather than base_out)."""
+    if not _fused_applies(kernel, x, A):
+        return None
+    from lorafleet.model import triton_lora  # imports triton: only when the kernel runs
+
+    _check(x.reshape(-1, A.shape[2]), A, routing)
+    flat_out = base_out.view(-1, B.shape[1])
+    result = triton_lora.add_routed_lora(flat_out, x.reshape(-1, A.shape[2]), A, B, routing)
+    return result.view_as(base_out)
 
 
 def _native_for(

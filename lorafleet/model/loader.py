@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from lorafleet.hardware import resolve_dtype
-from lorafleet.model.presets import is_preset, materialize
+from lorafleet.model.presets import is_preset, materialize, random_weights_seed
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -93,13 +93,17 @@ def load_base(
         dtype = resolve_dtype("auto", device).dtype
     torch_dtype = parse_dtype(dtype)  # before any slow work, so bad input fails fast
     model_id, path = resolve_base(name_or_path)
-    model = AutoModelForCausalLM.from_pretrained(
-        path,
-        dtype=torch_dtype,
-        attn_implementation="sdpa",
-        local_files_only=True,
-        use_safetensors=True,
-    )
+    seed = random_weights_seed(path)
+    if seed is not None:
+        model = build_random_weights(path, torch_dtype, torch.device(device), seed)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=torch_dtype,
+            attn_implementation="sdpa",
+            local_files_only=True,
+            use_safetensors=True,
+        )
     model.requires_grad_(False)
     model.eval()
     module: nn.Module = model  # transformers' decorator on PreTrainedModel.to hides its `self`
@@ -108,3 +112,18 @@ def load_base(
     return LoadedBase(
         model=model, tokenizer=tokenizer, model_id=model_id, path=path, dtype=torch_dtype
     )
+
+
+def build_random_weights(path: Path, dtype: torch.dtype, device: torch.device, seed: int) -> Any:
+    """A shape preset's model (presets.RANDOM_WEIGHTS): built from its config directly on
+    `device` in `dtype`, so a large one is never held in fp32 nor in host memory on its way
+    to a GPU. The seed fixes the values for a given device type (CPU and CUDA generators
+    differ); `meta` builds the structure alone."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        with device:
+            return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")

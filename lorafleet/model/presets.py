@@ -299,6 +299,86 @@ def _tiny_recipe(arch: str, config: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+# --------------------------------------------------------------------------- shape presets
+
+# A shape preset is a real model's architecture with random weights: throughput does not depend
+# on the values, and a GPU machine here has no copy of the real ones. Its directory holds the
+# config and the tiny presets' tokenizer (ids 0..511, all inside the model's vocabulary), but
+# no weights: `loader.load_base` builds them on the target device in the requested dtype
+# (`random_weights_seed`), so a 1.7B model never passes through fp32 or the disk. What reads
+# weights from the directory itself (vLLM, SGLang, PEFT's from_pretrained) cannot load it.
+RANDOM_WEIGHTS = "random_weights"
+
+# Qwen/Qwen3-1.7B's config.json (transformers' Qwen3Config keeps rope_theta in
+# rope_parameters).
+QWEN3_1_7B_CONFIG: dict[str, Any] = {
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "tie_word_embeddings": True,
+    "rope_theta": 1000000.0,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 28,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "use_sliding_window": False,
+}
+_SHAPE_SEED = 0
+
+
+def _build_shape(out: Path, arch: str, config_kwargs: Mapping[str, Any]) -> None:
+    import transformers
+
+    tokenizer = build_tiny_tokenizer()
+    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    config = config_cls(
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="bfloat16",
+        architectures=[arch],
+        **config_kwargs,
+    )
+    if len(tokenizer) > config.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {len(tokenizer)} ids but {arch} has vocab_size {config.vocab_size}"
+        )
+    config.save_pretrained(out)
+    _save_tokenizer(tokenizer, out)
+
+
+def _shape_recipe(arch: str, config: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "arch": arch,
+        "config": dict(config),
+        RANDOM_WEIGHTS: {"seed": _SHAPE_SEED},
+        "tokenizer": _TOKENIZER_RECIPE,
+    }
+
+
+def random_weights_seed(path: Path) -> int | None:
+    """The seed of a shape preset's random weights (built at load time), None for a directory
+    whose weights are on disk."""
+    marker = path / MARKER_FILE
+    if not marker.is_file():
+        return None
+    recipe = json.loads(marker.read_text()).get("recipe", {})
+    random_weights = recipe.get(RANDOM_WEIGHTS) if isinstance(recipe, dict) else None
+    if random_weights is None:
+        return None
+    seed = random_weights.get("seed") if isinstance(random_weights, dict) else None
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ValueError(
+            f"{str(marker)!r}: {RANDOM_WEIGHTS} has no integer seed: {random_weights!r}"
+        )
+    return seed
+
+
 # --------------------------------------------------------------------------- smollm2
 
 
@@ -374,6 +454,13 @@ PRESETS: dict[str, PresetSpec] = {
             description=f"SmolLM2-135M-Instruct, dequantized to float32 from the {SMOLLM2_PIP} GGUF.",
             builder=_build_smollm2,
             recipe={"source": SMOLLM2_PIP, "gguf": SMOLLM2_GGUF, "dtype": "float32"},
+        ),
+        PresetSpec(
+            name="qwen3-1.7b-shape",
+            description="Qwen3-1.7B's architecture, random weights built at load time on the "
+            "target device in the asked dtype, with the tiny presets' BPE; for GPU benches.",
+            builder=lambda out: _build_shape(out, "Qwen3ForCausalLM", QWEN3_1_7B_CONFIG),
+            recipe=_shape_recipe("Qwen3ForCausalLM", QWEN3_1_7B_CONFIG),
         ),
     )
 }

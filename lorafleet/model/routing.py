@@ -74,6 +74,13 @@ class Routing:
         assert self.segments is not None
         return native.routing_plan(self.order, self.segments, self.token_scale)
 
+    @functools.cached_property
+    def device_segments(self) -> torch.Tensor:
+        """`segments` on the device of the routed tokens, moved once per forward and shared by
+        every layer (the Triton kernel reads its plan from device memory, triton_lora.py)."""
+        assert self.segments is not None
+        return self.segments.to(self.order.device)
+
     def active_slots(self) -> list[int]:
         """Slots that own at least one token in this forward."""
         return [slot for slot, count in enumerate(self.counts, start=1) if count > 0]

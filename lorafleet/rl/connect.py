@@ -23,6 +23,7 @@ from lorafleet.fsio import atomic_directory, atomic_write_json, ensure_private_d
 from lorafleet.hardware import DtypeChoice, resolve_dtype
 
 if TYPE_CHECKING:
+    from lorafleet.engines import RolloutConfig
     from lorafleet.server.main import ServerThread
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,7 @@ def start_backend(
     max_rank: int = 32,
     torch_threads: int | None = None,
     max_sample_rows: int = 64,
+    rollout: RolloutConfig | None = None,
 ) -> Backend:
     """Starts the embedded server on a free loopback port unless `base_url` is given."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -121,6 +123,7 @@ def start_backend(
         sampler_slots=max(8, 2 * max_adapters),
         max_lora_rank=max_rank,
         max_sample_rows=max_sample_rows,
+        rollout=rollout,
     )
     config = ServerConfig(
         base_model=base_model,

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import tinker
 from tinker import types
@@ -31,9 +31,13 @@ from lorafleet.rl.connect import (
     start_backend,
     tenant_keys,
 )
+from lorafleet.rl.console_metrics import RewardPoster
 from lorafleet.rl.datums import group_advantages, rl_datum
 from lorafleet.rl.envs import DEFAULT_SYSTEM_PROMPT, Env, extract_answer, make_env
 from lorafleet.rl.report import MetricsLog, Progress, plot_curves, print_table
+
+if TYPE_CHECKING:
+    from lorafleet.engines import RolloutConfig
 
 log = logging.getLogger(__name__)
 RlLoss = Literal["importance_sampling", "ppo"]
@@ -93,6 +97,9 @@ class RLConfig:
     # natively (the LoRA math and optimizer stay fp32 either way; lorafleet/hardware.py).
     dtype: str = "auto"
     torch_threads: int | None = None
+    # what samples inside the embedded server (None: its own sampler); vLLM needs fp32 or
+    # bf16 and the canary is exact only in fp32 (docs/rollout_engines.md)
+    rollout: RolloutConfig | None = None
 
 
 @dataclass
@@ -163,6 +170,8 @@ class TenantRunner:
         self.result = TenantResult(cfg.name, self.metrics.rows)
         self.service: tinker.ServiceClient | None = None
         self.done = threading.Event()
+        # each step's rewards, drawn by the web console (docs/console.md)
+        self.rewards = RewardPoster(backend.base_url, api_key, cfg.name)
 
     # ------------------------------------------------------------------ lifecycle
     def run(self) -> None:
@@ -211,6 +220,7 @@ class TenantRunner:
             while step < self.run_cfg.steps and not self.stop.is_set():
                 row = self.train_step(tc, tokenizer, step)
                 self.metrics.append(row)
+                self.rewards.post(tc.model_id, row)
                 step += 1
                 self.progress.update(cfg.name, step, _stats(row))
                 if self.on_step is not None:
@@ -352,7 +362,14 @@ def run_rl(config: RLConfig, *, on_step: StepHook | None = None) -> dict[str, Te
         max_rank=max(max(t.rank for t in config.tenants), 8),
         torch_threads=config.torch_threads,
         max_sample_rows=min(max(rows_per_step, 16), 256),
+        rollout=config.rollout,
     )
+    if backend.server is not None:  # never the key itself: it is in the run dir, 0600
+        print(
+            f"console: {backend.base_url}/console (sign in with a tenant's key from "
+            f"{run_dir / 'api_keys.json'})",
+            flush=True,
+        )
     stop = threading.Event()
     interrupted = False
     try:

@@ -41,7 +41,14 @@ import torch
 from lorafleet.model.adapted import AdaptedModel
 from lorafleet.model.routing import BASE_SLOT
 from lorafleet.sample.admission import FairQueue
+from lorafleet.sample.cuda_graphs import DecodeGraphs
 from lorafleet.sample.kvcache import RowCache
+from lorafleet.sample.prefix_cache import (
+    DEFAULT_BLOCK_TOKENS,
+    DEFAULT_TOKENS_PER_ROW,
+    Block,
+    PrefixCache,
+)
 from lorafleet.sample.sampling import (
     alternatives_generator,
     choose_tokens,
@@ -59,6 +66,7 @@ from lorafleet.sample.types import (
     SampleResult,
     SequenceTrace,
     StopReason,
+    TokenHook,
     TopK,
     VersionKey,
 )
@@ -66,6 +74,7 @@ from lorafleet.sample.validate import ModelLimits, PreparedRequest, prepare_all
 from lorafleet.sample.versions import (
     NoFreeSlotError,
     UnknownVersionError,
+    VersionError,
     VersionStore,
     VersionUnavailableError,
 )
@@ -93,6 +102,9 @@ class _Group:
     alt_tokens: PromptAltTokens | None = None
     prompt_recorded: bool = False
     error: SampleError | None = None
+    prefix_root: int | None = None  # its chain in the prefix cache, once prefilled
+    prompt_ids: list[int] = field(default_factory=list)  # the prompt as a list, once needed
+    on_token: TokenHook | None = None  # the request's progress hook
 
 
 @dataclass(eq=False)
@@ -149,6 +161,8 @@ class SampleEngine:
         max_rows: int = DEFAULT_MAX_ROWS,
         prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
         reserved_rows: int | None = None,
+        prefix_cache_bytes: int | None = None,
+        prefix_block_tokens: int = DEFAULT_BLOCK_TOKENS,
     ):
         if adapted.banks.get(versions.bank.name) is not versions.bank:
             raise ValueError(
@@ -187,7 +201,13 @@ class SampleEngine:
         self.device = self.bank.params.device
         self.dtype = next(model.parameters()).dtype
         self._additive_mask = config._attn_implementation == "eager"
+        self.decode_graphs: DecodeGraphs | None = None  # set by cuda_graphs.enable (CUDA only)
         self.cache = RowCache(int(config.num_hidden_layers), max_rows + self.reserved_rows)
+        if prefix_cache_bytes is None:
+            prefix_cache_bytes = self.default_prefix_cache_bytes(
+                config, self.dtype, max_rows + self.reserved_rows
+            )
+        self.prefix_cache = PrefixCache(prefix_cache_bytes, block_tokens=prefix_block_tokens)
         self._lock = threading.Lock()  # held while stepping
         self._queue_lock = threading.Lock()  # guards _incoming
         self._incoming: deque[_Group] = deque()
@@ -198,6 +218,16 @@ class SampleEngine:
         self._check_logits_path()
 
     # ------------------------------------------------------------------ set-up checks
+    @staticmethod
+    def default_prefix_cache_bytes(config: Any, dtype: torch.dtype, rows: int) -> int:
+        """The KV of `DEFAULT_TOKENS_PER_ROW` tokens per row of the pool: enough for every row's
+        conversation history at the length of a typical multi-turn episode."""
+        heads = int(config.num_attention_heads)
+        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+        per_token = 2 * int(config.num_hidden_layers) * kv_heads * head_dim * dtype.itemsize
+        return per_token * rows * DEFAULT_TOKENS_PER_ROW
+
     @staticmethod
     def _check_supported(config: Any) -> None:
         layer_types = getattr(config, "layer_types", None) or []
@@ -227,8 +257,13 @@ class SampleEngine:
                 "the sampler cannot serve it"
             )
 
+    def prefix_cache_stats(self) -> dict[str, object]:
+        """The prefix cache's counters and size (prefix_cache.py), for the server's stats."""
+        return self.prefix_cache.stats()
+
     def release_cache(self) -> None:
-        """Frees the KV buffers between sampling phases (they come back on the next step)."""
+        """Frees the KV buffers between sampling phases (they come back on the next step; the
+        prefix cache keeps its blocks, which are bounded on their own)."""
         with self._lock:
             if self._active or self._waiting or self._incoming:
                 raise RuntimeError("release_cache: sequences are still running or queued")
@@ -341,6 +376,7 @@ class SampleEngine:
                     traces=traces,
                     share_key=requests[index].share_key,
                     share_weight=float(requests[index].share_weight),
+                    on_token=requests[index].on_token,
                     remaining=item.num_samples,
                     sequences=[None] * item.num_samples,
                 )
@@ -403,7 +439,7 @@ class SampleEngine:
                 deferred.append((group.share_key, (group, sample)))
                 continue
             if group not in prefill_groups:
-                new_longest = max(longest, group.request.prompt_len)
+                new_longest = max(longest, self._new_tokens_estimate(group))
                 if prefill_groups and new_longest * (len(prefill_groups) + 1) > self.prefill_tokens:
                     waiting.push_front(group.share_key, (group, sample), group.share_weight)
                     break
@@ -430,6 +466,39 @@ class SampleEngine:
         for key, item in reversed(deferred):
             waiting.push_front(key, item, item[0].share_weight)
         return admitted
+
+    def _new_tokens_estimate(self, group: _Group) -> int:
+        """Prompt tokens the group's prefill will compute, for the round's budget: what the
+        prefix cache does not hold now (looked up again after pinning, in `_prefill`)."""
+        try:
+            hit = len(self._prefix_hit(group))
+        except VersionError:
+            return group.request.prompt_len  # its pin fails and says why
+        return group.request.prompt_len - hit * self.prefix_cache.block_tokens
+
+    def _prefix_hit(self, group: _Group) -> list[Block]:
+        """The cached blocks this group's prompt may reuse: never its last position (its logits
+        sample the first token) nor any position whose logits the request reads (prompt
+        log-probs, top-k, targets, alternatives are computed, not cached)."""
+        request = group.request
+        key = request.adapter
+        group.prefix_root = self.prefix_cache.root(
+            key, None if key is None else self.versions.info(key)
+        )
+        if not group.prompt_ids:
+            group.prompt_ids = request.prompt.tolist()
+        start = None if group.prompt_recorded else request.prompt_logits_from
+        limit = request.prompt_len - 1 if start is None else min(start, request.prompt_len - 1)
+        return self.prefix_cache.lookup(group.prefix_root, group.prompt_ids, limit)
+
+    def _cache_prefix(self, group: _Group, row: int, tokens: list[int]) -> None:
+        """Adds the full blocks of `tokens`, whose KV row `row` holds, to the prefix cache."""
+        if group.prefix_root is not None and self.prefix_cache.enabled:
+            self.prefix_cache.insert(
+                group.prefix_root,
+                tokens,
+                lambda start, stop: self.cache.read_span(row, start, stop),
+            )
 
     def _pin(self, group: _Group) -> bool:
         key = group.request.adapter
@@ -522,32 +591,47 @@ class SampleEngine:
         ordered = list(leaders.values()) + [s for s in admitted if leaders[id(s.group)] is not s]
         first_row = len(active)
         groups = [seq.group for seq in leaders.values()]
-        longest = max(g.request.prompt_len for g in groups)
-        input_ids = torch.zeros(len(groups), longest, dtype=torch.int64)
+        # Cached prefixes go into the rows first; the forward computes the rest of each prompt.
+        hit_len: list[int] = []
+        for b, group in enumerate(groups):
+            blocks = self._prefix_hit(group)
+            if blocks:
+                self.cache.write_span(
+                    first_row + b,
+                    0,
+                    torch.cat([block.keys for block in blocks], dim=2).to(self.device),
+                    torch.cat([block.values for block in blocks], dim=2).to(self.device),
+                )
+            hit_len.append(len(blocks) * self.prefix_cache.block_tokens)
+            self.prefix_cache.record(hit_len[b], group.request.prompt_len - hit_len[b])
+        new_len = [g.request.prompt_len - h for g, h in zip(groups, hit_len, strict=True)]
+        input_ids = torch.zeros(len(groups), max(new_len), dtype=torch.int64)
         pick_rows: list[int] = []
         pick_pos: list[int] = []
         last_pick: list[int] = []
         scored_from: list[int | None] = []
         for b, group in enumerate(groups):
             prompt = group.request.prompt
-            input_ids[b, : prompt.numel()] = prompt
+            input_ids[b, : new_len[b]] = prompt[hit_len[b] :]
             # Prompt log-probs are recorded once per request, on its first prefill.
             start = None if group.prompt_recorded else group.request.prompt_logits_from
             positions = range(prompt.numel() - 1 if start is None else start, prompt.numel())
             pick_rows.extend([b] * len(positions))
-            pick_pos.extend(positions)
+            pick_pos.extend(p - hit_len[b] for p in positions)  # (_prefix_hit: none is cached)
             last_pick.append(len(pick_pos) - 1)
             scored_from.append(start)
         device = self.device
         logits = self._forward(
             slice(first_row, first_row + len(groups)),
             input_ids.to(device),
-            torch.zeros(len(groups), dtype=torch.int64, device=device),
+            torch.tensor(hit_len, dtype=torch.int64, device=device),
             torch.tensor([g.slot for g in groups], dtype=torch.int64, device=device),
             torch.tensor(pick_rows, device=device),
             torch.tensor(pick_pos, device=device),
-            lengths=torch.tensor([g.request.prompt_len for g in groups], device=device),
+            lengths=torch.tensor(new_len, device=device),
         )
+        for b, group in enumerate(groups):
+            self._cache_prefix(group, first_row + b, group.prompt_ids)
         logprobs = torch.log_softmax(logits, dim=-1)
         for b, group in enumerate(groups):
             start = scored_from[b]
@@ -608,7 +692,18 @@ class SampleEngine:
         starts = torch.tensor([s.length for s in active], dtype=torch.int64, device=device)
         slots = torch.tensor([s.group.slot for s in active], dtype=torch.int64, device=device)
         rows = torch.arange(n, device=device)
-        logits = self._forward(slice(0, n), input_ids, starts, slots, rows, torch.zeros_like(rows))
+        graphs = self.decode_graphs  # CUDA graph replay when enabled (cuda_graphs.py)
+        logits = None
+        if graphs is not None:
+            logits = graphs.decode(
+                [s.tokens[-1] for s in active],
+                [s.length for s in active],
+                [s.group.slot for s in active],
+            )
+        if logits is None:
+            logits = self._forward(
+                slice(0, n), input_ids, starts, slots, rows, torch.zeros_like(rows)
+            )
         for seq in active:
             seq.length += 1
         self._sample(active, logits, torch.log_softmax(logits, dim=-1))
@@ -627,6 +722,8 @@ class SampleEngine:
         for i, seq in enumerate(seqs):
             seq.tokens.append(token_list[i])
             seq.logprobs.append(chosen[i])
+            if seq.group.on_token is not None:
+                seq.group.on_token(seq.sample, token_list[i])
             if seq.topk is not None:
                 seq.topk.extend(topk_lists(logprobs[i : i + 1], seq.group.request.topk_sample))
             if seq.stop.update(seq.tokens):
@@ -640,6 +737,11 @@ class SampleEngine:
             seq = active[row]
             if seq.stop_reason is None:
                 continue
+            prompt_len = seq.group.request.prompt_len
+            # The next turn of a conversation resends this history: keep its KV.
+            self._cache_prefix(
+                seq.group, row, seq.group.prompt_ids + seq.tokens[: seq.length - prompt_len]
+            )
             last = len(active) - 1
             if row != last:
                 self.cache.copy_row(last, row, active[last].length)

@@ -7,7 +7,8 @@ lengths decoding together, rows freed and refilled mid-run. So each layer keeps
 each row's start column and the number of new tokens `q`, and:
 
 - `update` writes the new keys/values at columns start..start+q-1 of each row (a slice when all
-  starts are equal, as in a prefill; one indexed write when q == 1, as in a decode step) and
+  starts are equal, as in a prefill; one indexed write when q == 1, as in a decode step; a write
+  per row for a prefill of rows that resume after cached prefixes, prefix_cache.py) and
   hands attention a view of columns [0, max start + q) of those rows: no copy of the cache;
 - the mask lets query t of row i see columns j <= start_i + t, which is causal for a prefill,
   full history for a decode step, and hides whatever a row holds beyond its own length (padding
@@ -35,6 +36,7 @@ class ForwardPlan:
     q: int
     uniform_start: int | None  # the common start when all rows share it
     kv_len: int
+    starts_list: list[int]
 
 
 class _RowLayer(CacheLayerMixin):
@@ -133,8 +135,6 @@ class RowCache(Cache):
             raise ValueError(f"q must be >= 1, got {q}")
         starts_list = starts.tolist()
         uniform = starts_list[0] if all(s == starts_list[0] for s in starts_list) else None
-        if uniform is None and q != 1:
-            raise ValueError("rows at different lengths can only advance one token at a time")
         kv_len = max(starts_list) + q
         self.reserve(kv_len)
         device = starts.device
@@ -147,7 +147,14 @@ class RowCache(Cache):
             mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(
                 ~mask, torch.finfo(dtype).min
             )
-        plan = ForwardPlan(rows=rows, starts=starts, q=q, uniform_start=uniform, kv_len=kv_len)
+        plan = ForwardPlan(
+            rows=rows,
+            starts=starts,
+            q=q,
+            uniform_start=uniform,
+            kv_len=kv_len,
+            starts_list=starts_list,
+        )
         self.current = plan
         return plan, mask, positions
 
@@ -163,6 +170,11 @@ class RowCache(Cache):
             start = plan.uniform_start
             layer.keys[rows, :, start : start + plan.q] = key_states
             layer.values[rows, :, start : start + plan.q] = value_states
+        elif plan.q > 1:  # a prefill of rows resuming after cached prefixes of different lengths
+            for i, start in enumerate(plan.starts_list):
+                row = rows.start + i
+                layer.keys[row, :, start : start + plan.q] = key_states[i]
+                layer.values[row, :, start : start + plan.q] = value_states[i]
         else:
             index = torch.arange(rows.stop - rows.start, device=key_states.device)
             layer.keys[rows][index, :, plan.starts] = key_states[:, :, 0]
@@ -171,6 +183,36 @@ class RowCache(Cache):
 
     def finish(self) -> None:
         self.current = None
+
+    # ------------------------------------------------------------------ prefix blocks
+    def read_span(self, row: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row `row`'s keys and values at positions [start, stop), stacked over layers:
+        [layers, kv_heads, stop - start, head_dim] each (views; the prefix cache clones them)."""
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        for layer in self._row_layers():
+            if layer.keys is None or layer.values is None:
+                raise RuntimeError("read_span: the row cache holds no buffers")
+            keys.append(layer.keys[row, :, start:stop])
+            values.append(layer.values[row, :, start:stop])
+        return torch.stack(keys), torch.stack(values)
+
+    def write_span(self, row: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Row `row` takes `keys`/`values` ([layers, kv_heads, n, head_dim], as `read_span`
+        gives) at positions [start, start + n); allocates the buffers if they were released."""
+        n = keys.shape[2]
+        layers = self._row_layers()
+        if keys.shape[0] != len(layers) or values.shape[0] != len(layers):
+            raise ValueError(
+                f"write_span: got KV for {keys.shape[0]} layers, the cache has {len(layers)}"
+            )
+        self.reserve(start + n)
+        for index, layer in enumerate(layers):
+            if not layer.is_initialized:
+                self._allocate_layer(layer, keys[index : index + 1], values[index : index + 1])
+            assert layer.keys is not None and layer.values is not None
+            layer.keys[row, :, start : start + n] = keys[index]
+            layer.values[row, :, start : start + n] = values[index]
 
     # ------------------------------------------------------------------ row moves
     def copy_row(self, src: int, dst: int, length: int) -> None:

@@ -7,7 +7,7 @@ so the server only converts wire formats. A request that cannot run gets a `Samp
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -20,6 +20,12 @@ StopReason = Literal["stop", "length"]
 
 TopK = list[tuple[int, float]]
 """(token id, log-prob) pairs, most likely first."""
+
+TokenHook = Callable[[int, int], None]
+"""Called as `hook(sample index, token id)` on the thread that steps the sampler, after each token
+a request's sample draws (a streaming caller shows tokens as they come). It runs inside the
+engine step, so it must be quick and must not raise; samplers that cannot call it (their batch
+runs in another process) ignore it, and the caller gets the tokens with the result only."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,7 @@ class SampleRequest:
     # i + 1 (nothing predicts position 0); -1 asks for nothing there. None: no targets.
     target_prompt_logprobs: torch.Tensor | None = None
     prompt_alt_tokens_k: int = 0  # draws per prompt position (see PromptAltTokens)
+    on_token: TokenHook | None = None  # progress, optional (see TokenHook)
 
 
 @dataclass(frozen=True)
@@ -87,7 +94,8 @@ class SampledSequence:
 class SampleError:
     """Why a request did not run. `code` is stable for servers to map onto HTTP statuses."""
 
-    code: Literal["invalid_request", "unknown_version", "version_unavailable"]
+    # engine_unavailable: no verified rollout replica could run it now (retryable, a 503)
+    code: Literal["invalid_request", "unknown_version", "version_unavailable", "engine_unavailable"]
     message: str
 
 

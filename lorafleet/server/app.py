@@ -14,12 +14,15 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from lorafleet.server.console import routes as console_routes
 from lorafleet.server.errors import ApiError
 from lorafleet.server.routes import (
     API,
     futures,
     info,
+    openai,
     rest,
+    run_metrics,
     sampling,
     sessions,
     stats,
@@ -38,6 +41,12 @@ PUBLIC_PATHS = frozenset({f"{API}/healthz"})
 SIGNED_GET_PREFIXES = (f"{API}/lorafleet/files/", f"{API}/lorafleet/traces/")
 
 
+def _console(path: str) -> bool:
+    """The web console's page, assets and API: its routes check their own session cookie
+    (console/routes.py), so a browser never holds the key."""
+    return path == console_routes.CONSOLE or path.startswith(f"{console_routes.CONSOLE}/")
+
+
 class KeyGate:
     """ASGI middleware: every HTTP request but the public paths must carry a valid X-API-Key;
     the tenant is left in `request.state.tenant` for the routes."""
@@ -50,16 +59,28 @@ class KeyGate:
         signed = scope.get("method") in ("GET", "HEAD") and scope.get("path", "").startswith(
             SIGNED_GET_PREFIXES
         )
-        if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS and not signed:
+        if (
+            scope["type"] == "http"
+            and scope["path"] not in PUBLIC_PATHS
+            and not signed
+            and not _console(scope["path"])
+        ):
             key = next(
                 (v.decode("latin-1") for k, v in scope["headers"] if k == b"x-api-key"), None
             )
-            if key is None and scope["path"] == METRICS_ROUTE:
-                key = _bearer(scope)  # what a Prometheus scrape config sends (`authorization`)
+            openai_path = scope["path"].startswith(f"{openai.V1}/")
+            if key is None and (scope["path"] == METRICS_ROUTE or openai_path):
+                # what a Prometheus scrape config and the openai package send (`authorization`)
+                key = _bearer(scope)
             try:
                 who = self.service.authenticate(key)
             except ApiError as exc:
-                await JSONResponse(exc.body(), status_code=exc.status)(scope, receive, send)
+                reply = (
+                    openai.error_response(exc)
+                    if openai_path
+                    else JSONResponse(exc.body(), status_code=exc.status)
+                )
+                await reply(scope, receive, send)
                 return
             scope.setdefault("state", {})["tenant"] = who
         await self.app(scope, receive, send)
@@ -90,6 +111,9 @@ def create_app(service: Service) -> FastAPI:
     futures.add_routes(app, service.retrieve, bodies)
     rest.add_routes(app, service.rest, bodies)
     usage.add_routes(app, service.usage)  # /api/v1/lorafleet/usage, and /metrics (operators)
+    run_metrics.add_routes(app, service.run_metrics, bodies)  # a client's curves (console)
+    console_routes.add_routes(app, service.console)  # /console: cookie sessions, not keys
+    openai.add_routes(app, service.completions, service.aliases, bodies)  # /v1: OpenAI's API
     # LAST: the catch-all for POSTs to paths no route above serves
     unknown.add_routes(app, service.intake, bodies)
     return app

@@ -22,8 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from lorafleet.engines import EngineConfig, build_engines
-from lorafleet.interfaces import EngineSet, PagingReport
+from lorafleet.interfaces import EngineSet, PagingReport, RolloutReport
 from lorafleet.model.loader import load_base
+from lorafleet.sample.canary_probe import version_name
+from lorafleet.sample.prefix_cache import PrefixCacheReport
 from lorafleet.server import ids
 from lorafleet.server.adapter_setup import AdapterSetup
 from lorafleet.server.checkpoint_files import CheckpointFiles
@@ -208,4 +210,38 @@ class Executor:
                 else None,
             },
             "torch_threads": self.torch_threads,
+            "prefix_cache": self.prefix_cache_stats(),
         }
+
+    def rollout_stats(self) -> dict[str, object]:
+        """Which engine samples and how its replicas are (the console reads this shape); the
+        embedded sampler is one replica, "embedded", always healthy while the worker runs."""
+        if isinstance(self.sampler, RolloutReport):
+            return self.sampler.rollout_stats()
+        return {
+            "engine": "embedded",
+            "sync": "tensor",
+            "replicas": [
+                {
+                    "name": "embedded",
+                    "url": "in-process",
+                    "state": "healthy",
+                    "versions": [version_name(k) for k in self.versions.resident()],
+                    "last_canary": None,
+                    "restarts": 0,
+                    "error": None,
+                }
+            ],
+        }
+
+    def rollout_health(self) -> str | None:
+        """"ok", "degraded" or "unavailable" (see `RolloutReport.health`); None for the
+        embedded sampler, which the engine's own liveness covers."""
+        return self.sampler.health() if isinstance(self.sampler, RolloutReport) else None
+
+    def prefix_cache_stats(self) -> dict[str, object] | None:
+        """The sampler's prefix cache (lorafleet/sample/prefix_cache.py); None when the sampler
+        has none (Ray replicas)."""
+        if isinstance(self.sampler, PrefixCacheReport):
+            return self.sampler.prefix_cache_stats()
+        return None

@@ -12,9 +12,15 @@ OK = 200
 UNAVAILABLE = 503
 
 
-def report(engine: str, disk: str) -> tuple[int, dict[str, str]]:
-    """`engine`: "ok" | "stalled" | "dead" (Scheduler.liveness); `disk`: "ok" | "full"."""
-    if engine != "ok":
-        return UNAVAILABLE, {"status": "unavailable", "engine": engine, "disk": disk}
-    status = "ok" if disk == "ok" else "degraded"
-    return OK, {"status": status, "engine": engine, "disk": disk}
+def report(engine: str, disk: str, rollout: str | None = None) -> tuple[int, dict[str, str]]:
+    """`engine`: "ok" | "stalled" | "dead" (Scheduler.liveness); `disk`: "ok" | "full";
+    `rollout`: "ok" | "degraded" | "unavailable", the sampling replicas (RolloutReport.health:
+    degraded while some are out of rotation, unavailable when none is verified, which samples
+    cannot get past until one comes back); None for the embedded sampler (not reported)."""
+    states = {"engine": engine, "disk": disk}
+    if rollout is not None:
+        states["rollout"] = rollout
+    if engine != "ok" or rollout == "unavailable":
+        return UNAVAILABLE, {"status": "unavailable", **states}
+    status = "ok" if disk == "ok" and rollout in (None, "ok") else "degraded"
+    return OK, {"status": status, **states}

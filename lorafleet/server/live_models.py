@@ -160,6 +160,11 @@ class LiveModels:
             counts[run.tier] += 1
         return counts
 
+    def run_tiers(self, tenant: str) -> dict[str, Tier]:
+        """The tier of each of `tenant`'s live runs (the console's run list; read from
+        another thread, so over a copy)."""
+        return {r.model_id: r.tier for r in list(self._runs.values()) if r.tenant == tenant}
+
     def resident_seconds(self) -> list[tuple[str, str, float]]:
         """(tenant, model_id, seconds) each run held a trainer slot since the last call: what
         metering counts as resident adapter-seconds. Exact, not sampled: a run's slot time is

@@ -4,13 +4,13 @@ without importing the engine, and the engine can read them without knowing JSON.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from lorafleet.sample.types import SamplingParams
+from lorafleet.sample.types import SamplingParams, TokenHook
 from lorafleet.server.store import CheckpointRow
 
 
@@ -88,3 +88,5 @@ class SampleArgs:
     checkpoint_path: str | None  # tinker path whose files back `adapter` (None: ephemeral)
     targets: PromptTargets | None = None
     alt_k: int = 0  # prompt_alt_tokens_k
+    # Progress for a streaming caller (the OpenAI routes); never part of the request's identity.
+    on_token: TokenHook | None = field(default=None, compare=False, repr=False)

@@ -16,17 +16,23 @@ so new samples of an overwritten checkpoint get the new weights while the old on
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 from lorafleet.adapters.peft_io import export_peft
+from lorafleet.canary import SyncVerificationError
 from lorafleet.interfaces import Sampler, Trainer
 from lorafleet.sample import NoFreeSlotError, UnknownVersionError
 from lorafleet.sample.versions import detect_kind
 from lorafleet.server import faults
 from lorafleet.server.deletion import remove_tree
-from lorafleet.server.errors import ApiError, UserError
+from lorafleet.server.errors import ApiError, ServerFault, UserError
 from lorafleet.server.live_models import LiveModel
+from lorafleet.server.redact import strip_paths
 from lorafleet.server.retention import EphemeralRetention, VersionKey
+from lorafleet.sync.pool import NoReplicaError
 from lorafleet.verification import publish_verified
 
 LIVE_SUFFIX = "#live"  # adapter id of a model's ephemeral sampler versions
@@ -53,6 +59,7 @@ class VersionPublisher:
         self.retention = retention
         self.base_path = base_path  # what exported PEFT configs name as their base
         self._next_version: dict[str, int] = {}  # checkpoint path -> its next version number
+        self.sync_times = SyncTimes()
 
     @property
     def ephemeral_limit(self) -> int:
@@ -146,11 +153,54 @@ class VersionPublisher:
         return number
 
     def _publish(self, slot: int, adapter_id: str, version: int) -> VersionKey:
+        started = time.perf_counter()
         try:
             key, _ = publish_verified(self.sampler, self.trainer, slot, adapter_id, version=version)
         except NoFreeSlotError as exc:
+            self.sync_times.add(time.perf_counter() - started, passed=False)
             raise SamplerSlotsBusy(
                 f"cannot publish {adapter_id}: {exc}. Nothing was saved; retry once some of the "
                 "running samples have finished"
             ) from None
+        except (SyncVerificationError, NoReplicaError) as exc:
+            # a rollout engine's replicas could not verify it (or none is up): said, not hidden
+            self.sync_times.add(time.perf_counter() - started, passed=False)
+            raise ServerFault(
+                f"cannot publish {adapter_id}: {strip_paths(str(exc))}. Nothing was saved",
+                status=503 if isinstance(exc, NoReplicaError) else 500,
+            ) from None
+        except BaseException:
+            self.sync_times.add(time.perf_counter() - started, passed=False)
+            raise
+        self.sync_times.add(time.perf_counter() - started, passed=True)
         return key
+
+
+class SyncTimes:
+    """Seconds spent putting trainer slots into the sampler (the sync and its canary, on every
+    replica), for the stats: an RL loop's `sync_share` is this over its step time."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # written on the worker thread, read by the stats route
+        self.versions = 0  # published and verified
+        self.failed = 0
+        self.seconds = 0.0  # both kinds
+        self.last_s: float | None = None
+
+    def add(self, seconds: float, *, passed: bool) -> None:
+        with self._lock:
+            if passed:
+                self.versions += 1
+            else:
+                self.failed += 1
+            self.seconds += seconds
+            self.last_s = seconds
+
+    def as_dict(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "versions": self.versions,
+                "failed": self.failed,
+                "seconds": self.seconds,
+                "last_s": self.last_s,
+            }

@@ -40,6 +40,11 @@ def _external_resource(run_id: str, name: str, file: str) -> str:
     return f"tinker://{run_id}/external_weights/{name}/{file}"
 
 
+def _archive_resource(run_id: str, segment: str, name: str) -> str:
+    """What an archive link's signature covers: one checkpoint, whole (never an export's file)."""
+    return f"archive:tinker://{run_id}/{segment}/{name}"
+
+
 class Rest:
     def __init__(
         self,
@@ -202,6 +207,39 @@ class Rest:
         if file not in export_files(directory):
             raise NotFound(f"external weights {path} have no file {file!r}")
         return directory / file
+
+    # ------------------------------------------------------------------ archives
+    def checkpoint_archive_url(
+        self, tenant: Tenant, run_id: str, checkpoint_id: str, base_url: str
+    ) -> tuple[str, int]:
+        """(signed link, expiry in unix seconds) to the checkpoint's files as one tar
+        (archives.py), for its owner only: a training checkpoint holds the optimizer state,
+        which publishing never shares. `base_url`: the address the client reached us at."""
+        path = _checkpoint_path(run_id, checkpoint_id)
+        self.ownership.checkpoint(tenant, path)
+        link = self.signer.sign(tenant.id, _archive_resource(run_id, path.segment, path.name))
+        where = f"{quote(run_id, safe=':')}/archive/{path.segment}/{quote(path.name)}"
+        return f"{base_url}{FILES_ROUTE}/{where}?{urlencode(link.query)}", link.expires
+
+    def archive_files(
+        self,
+        run_id: str,
+        segment: str,
+        name: str,
+        tenant: str | None,
+        expires: str | None,
+        sig: str | None,
+    ) -> list[Path]:
+        """The files an archive link names (the signature is the only credential, as for
+        `external_file`): 403 for a bad or expired signature (checked before anything else is
+        parsed), 404 once the checkpoint is gone."""
+        owner = self.signer.verify(tenant, _archive_resource(run_id, segment, name), expires, sig)
+        path = parse_tinker_path(f"tinker://{run_id}/{segment}/{name}")
+        row = self.store.get_checkpoint(str(path))
+        if row is None or row.tenant != owner or row.expired():
+            raise NotFound(f"checkpoint {path} does not exist any more")
+        directory = Path(row.dir)
+        return [directory / file for file in export_files(directory)]
 
     # ------------------------------------------------------------------ copies
     def copy_weights(

@@ -14,7 +14,7 @@ from pathlib import Path
 from lorafleet.interfaces import Sampler
 from lorafleet.sample import SampleRequest, SampleResult, VersionError
 from lorafleet.server import proto, publication
-from lorafleet.server.errors import ApiError, NotFound, UserError
+from lorafleet.server.errors import ApiError, NotFound, ServerFault, UserError
 from lorafleet.server.futures import Result
 from lorafleet.server.payloads import SampleArgs
 from lorafleet.server.publishing import INFLIGHT_SUFFIX, LIVE_SUFFIX, VersionPublisher
@@ -32,6 +32,11 @@ def _not_run() -> Result:
 
 
 def _result(output: SampleResult, args: SampleArgs) -> Result:
+    if output.error is not None and output.error.code == "engine_unavailable":
+        # the rollout replicas are down or restarting: the request is fine, retry it later
+        return Result.error(
+            ServerFault(f"sample: {strip_paths(output.error.message)}", status=503)
+        )
     if output.error is not None:
         return Result.error(UserError(f"sample: {strip_paths(output.error.message)}"))
     return Result.proto(
@@ -107,6 +112,7 @@ class SampleBatches:
                 topk_sample_logprobs=args.topk_sample,
                 target_prompt_logprobs=None if args.targets is None else args.targets.ids,
                 prompt_alt_tokens_k=args.alt_k,
+                on_token=args.on_token,
             )
             batch.append((i, args, request))
         return results, batch

@@ -369,6 +369,20 @@ class Scheduler:
         with self._cond:
             return len(self._unordered) + sum(len(q) for q in self._queues.values())
 
+    def model_ops(self, tenant: str) -> dict[str, dict[str, int]]:
+        """Per run of `tenant`: its queued ops and those in the running round (the console's
+        run list). One short hold of the lock, no engine work."""
+        out: dict[str, dict[str, int]] = {}
+        with self._cond:
+            queued = [op for q in self._queues.values() for op in q.values()] + self._unordered
+            running = list(self._in_round.values())
+        for ops, key in ((queued, "queued"), (running, "in_flight")):
+            for op in ops:
+                if op.tenant == tenant and op.model_id is not None:
+                    entry = out.setdefault(op.model_id, {"queued": 0, "in_flight": 0})
+                    entry[key] += 1
+        return out
+
     def has_work(self, model_id: str) -> bool:
         """Whether `model_id` has an op queued (in order or behind a gap) or taken into the
         running round: the paging policy (live_models.py) evicts such a run last."""

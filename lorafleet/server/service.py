@@ -28,18 +28,24 @@ from lorafleet.fsio import ensure_private_dir
 from lorafleet.model.hub_cache import publish_tokenizer, tokenizer_name
 from lorafleet.server import health, recovery, schemas, views
 from lorafleet.server.admission import Admission
+from lorafleet.server.aliases import Aliases
 from lorafleet.server.auth import Tenant
+from lorafleet.server.console import Sources, build_console
 from lorafleet.server.disk import DiskGuard
 from lorafleet.server.engine_calls import EngineCalls
 from lorafleet.server.executor import Executor
 from lorafleet.server.futures import JSON, FutureTable, Result
 from lorafleet.server.intake import Intake
 from lorafleet.server.metering import Metering
+from lorafleet.server.openai.models import Models
+from lorafleet.server.openai.service import Completions
+from lorafleet.server.openai.text import Text
 from lorafleet.server.ownership import Ownership
 from lorafleet.server.quotas import Quotas
 from lorafleet.server.rest import Rest
+from lorafleet.server.run_metrics import RunMetrics
 from lorafleet.server.sampling import Sampling
-from lorafleet.server.scheduler import DEFAULT_ROUND_TOKENS, Scheduler
+from lorafleet.server.scheduler import DEFAULT_ROUND_TOKENS, Op, Scheduler
 from lorafleet.server.served import RequestLimits, ServedBase
 from lorafleet.server.sessions import Sessions
 from lorafleet.server.signed_urls import UrlSigner, load_or_create_secret
@@ -117,6 +123,15 @@ class ServerConfig:
     max_queued_ops: int = 4096
     queue_retry_after_s: float = 1.0
     usage_flush_s: float = 5.0  # metering counts reach SQLite this often (metering.py)
+    # the web console (console/): sign-in sessions (lifetime, how many at once), its live
+    # event streams (in all, per session) and how often a stream looks for changes
+    console_session_ttl_s: float = 8 * 3600.0
+    console_max_sessions: int = 1024
+    console_sessions_per_tenant: int = 64  # past it the tenant's own oldest session goes
+    console_streams: int = 64
+    console_streams_per_session: int = 4
+    console_streams_per_tenant: int = 16  # one tenant's sessions together
+    console_refresh_s: float = 1.0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -217,6 +232,7 @@ class Service:
             self.store.close()
             raise
         self.metering = Metering(self.store, flush_s=config.usage_flush_s)
+        self.run_metrics = RunMetrics(self.store)  # per-step loss and client metrics (console)
         self.futures = FutureTable(
             self.store,
             memory_bytes=config.results_memory_bytes,
@@ -237,7 +253,7 @@ class Service:
                 config.engine or EngineConfig(base_model=config.base_model)
             ).max_adapters,
             weight_of=self.tenancy.weight_of,
-            on_work=self.metering.on_work,
+            on_work=self._on_work,
         )
         self.executor = self.scheduler.start(
             lambda: build_executor(
@@ -284,6 +300,17 @@ class Service:
             ownership, intake, self.served, max_body_bytes=config.max_body_bytes
         )
         self.sampling = Sampling(self.store, ownership, intake, self.served)
+        # the OpenAI-compatible routes: the same intake and sampler, model names via aliases
+        self.aliases = Aliases(self.store, ownership, self.served)
+        self.completions = Completions(
+            intake,
+            self.futures,
+            Models(self.store, ownership, self.served, self.aliases),
+            self.served,
+            Text(self.served.base_path),
+            config.long_poll_s,
+            rollout_engine=str(self.executor.rollout_stats()["engine"]),
+        )
         self.rest = Rest(
             self.store, ownership, engine, self.served, signer, self.data_dir, self.quotas
         )
@@ -293,7 +320,30 @@ class Service:
             self.tenancy,
             self.admission,
             self.quotas,
-            self.scheduler.stats.as_dict,
+            lambda: {
+                **self.scheduler.stats.as_dict(),
+                "prefix_cache": self.executor.prefix_cache_stats(),
+            },
+        )
+        self.console = build_console(
+            Sources(
+                store=self.store,
+                rest=self.rest,
+                usage=self.usage,
+                run_metrics=self.run_metrics,
+                tenancy=self.tenancy,
+                run_ops=self.scheduler.model_ops,
+                run_tiers=self.executor.live.run_tiers,
+                stats=self.stats,
+            ),
+            self.tenancy,
+            session_ttl_s=config.console_session_ttl_s,
+            max_sessions=config.console_max_sessions,
+            sessions_per_tenant=config.console_sessions_per_tenant,
+            streams=config.console_streams,
+            streams_per_session=config.console_streams_per_session,
+            streams_per_tenant=config.console_streams_per_tenant,
+            refresh_s=config.console_refresh_s,
         )
         self._engine = engine
         self._maintenance = threading.Thread(
@@ -387,7 +437,22 @@ class Service:
         self.scheduler.stop()
         self.executor.close()
         self.metering.close()  # after the worker: its last batches are counted
+        self.run_metrics.close()
         self.store.close()
+
+    def _on_work(
+        self,
+        kind: str,
+        work: list[tuple[Op, int]],
+        seconds: float,
+        finished: list[tuple[Op, Result]],
+    ) -> None:
+        """The scheduler's work hook: metering, then the console's loss points (both run even
+        when the first fails; the scheduler logs what either raises)."""
+        try:
+            self.metering.on_work(kind, work, seconds, finished)
+        finally:
+            self.run_metrics.on_work(kind, work, seconds, finished)
 
     def authenticate(self, key: str | None) -> Tenant:
         return self.tenancy.current.keys.authenticate(key)
@@ -410,13 +475,16 @@ class Service:
 
     def health(self) -> tuple[int, dict[str, str]]:
         """What /healthz answers (unauthenticated, so nothing but states): see health.py."""
-        return health.report(self.scheduler.liveness(), self.disk.state())
+        return health.report(
+            self.scheduler.liveness(), self.disk.state(), self.executor.rollout_health()
+        )
 
     def stats(self) -> dict[str, Any]:
         return {
             **self.scheduler.stats.as_dict(),
             **self.executor.stats(),
             **self.futures.memory(),
+            "rollout": self.executor.rollout_stats(),  # which engine samples, per replica
             "disk": self.disk.state(),
             "disk_full_episodes": self.disk.times_full,
             "pending_ops": self.scheduler.pending(),
@@ -429,6 +497,8 @@ class Service:
             "queue_refused": self.admission.refused,
             "quota_refused": self.quotas.refused,
             "usage_flush_failures": self.metering.flush_failures,
+            # trainer slot -> sampler versions, canary included (an RL step's sync_share)
+            "sampler_sync": self.executor.publisher.sync_times.as_dict(),
             "tenants": {
                 "count": len(self.tenancy.current.tenants),
                 "reloads": self.tenancy.reloads,

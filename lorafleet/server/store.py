@@ -831,6 +831,48 @@ class Store:
         )
         return None if row is None else self._checkpoint(row)
 
+    # ------------------------------------------------------------------ model aliases (OpenAI routes)
+    def put_alias(self, tenant: str, alias: str, target: str, at: float, max_aliases: int) -> bool:
+        """Creates or repoints an alias; False (nothing written) when the tenant already has
+        `max_aliases` others. One statement, so concurrent puts cannot pass the bound."""
+        return (
+            self._run(
+                "INSERT OR REPLACE INTO aliases SELECT ?, ?, ?, ? WHERE "
+                "(SELECT COUNT(*) FROM aliases WHERE tenant=? AND alias<>?) < ?",
+                (tenant, alias, target, at, tenant, alias, max_aliases),
+            )
+            > 0
+        )
+
+    def get_alias(self, tenant: str, alias: str) -> tuple[str, float] | None:
+        """(target, created_at)."""
+        row = self._one(
+            "SELECT target, created_at FROM aliases WHERE tenant=? AND alias=?", (tenant, alias)
+        )
+        return None if row is None else (str(row["target"]), float(row["created_at"]))
+
+    def list_aliases(self, tenant: str, limit: int) -> list[tuple[str, str, float]]:
+        """(alias, target, created_at), newest first."""
+        rows = self._all(
+            "SELECT alias, target, created_at FROM aliases WHERE tenant=? "
+            "ORDER BY created_at DESC, alias LIMIT ?",
+            (tenant, limit),
+        )
+        return [(str(r["alias"]), str(r["target"]), float(r["created_at"])) for r in rows]
+
+    def delete_alias(self, tenant: str, alias: str) -> bool:
+        return self._run("DELETE FROM aliases WHERE tenant=? AND alias=?", (tenant, alias)) > 0
+
+    def list_sampler_paths(self, tenant: str, limit: int) -> list[tuple[str, float]]:
+        """(tinker_path, created_at) of the tenant's unexpired sampler checkpoints, newest first."""
+        rows = self._all(
+            "SELECT tinker_path, created_at FROM checkpoints WHERE tenant=? AND kind='sampler' "
+            "AND (expires_at IS NULL OR expires_at > ?) "
+            "ORDER BY created_at DESC, tinker_path DESC LIMIT ?",
+            (tenant, time.time(), limit),
+        )
+        return [(str(r["tinker_path"]), float(r["created_at"])) for r in rows]
+
     # ------------------------------------------------------------------ metering and quotas
     def add_usage(self, rows: list[tuple[str, str, str, str, float]]) -> None:
         """Adds (tenant, run, day, counter, amount) to the stored totals, all in one
@@ -922,3 +964,83 @@ class Store:
             (*kinds, rank),
         )
         return int(row["b"]) if row is not None and row["b"] is not None else 0
+
+    # ------------------------------------------------------------------ run metrics (console)
+    def add_run_metrics(self, rows: list[tuple[str, str, str, int, float, str, float]]) -> None:
+        """(tenant, run, name, step, value, source, at) rows; a point posted again for the same
+        step replaces the earlier one (a client retrying its post)."""
+        if not rows:
+            return
+
+        def add(db: sqlite3.Connection) -> None:
+            db.executemany("INSERT OR REPLACE INTO run_metrics VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
+
+        self._write(add)
+
+    def run_metrics(
+        self, tenant: str, run: str, after_step: int = -1, limit: int = 10000
+    ) -> list[tuple[str, str, int, float, float]]:
+        """(name, source, step, value, at) of one run, by name, source and step."""
+        rows = self._all(
+            "SELECT name, source, step, value, at FROM run_metrics WHERE tenant=? AND run=? "
+            "AND step>? ORDER BY name, source, step LIMIT ?",
+            (tenant, run, after_step, limit),
+        )
+        return [(r[0], r[1], int(r[2]), float(r[3]), float(r[4])) for r in rows]
+
+    def run_metric_curves(
+        self, tenant: str, run: str, after_step: int, per_curve: int
+    ) -> list[tuple[str, str, int, float, float]]:
+        """Like `run_metrics`, but at most `per_curve` points of each (name, source) past
+        `after_step`: every `k`-th step counted back from the name's newest, `k` spread over its
+        steps. Every curve shows however many points another has (one LIMIT over them all
+        dropped whole curves), and the cost follows the index: the names one lookup each
+        (a run has at most a few dozen), their step ranges from the index's ends."""
+        out: list[tuple[str, str, int, float, float]] = []
+        name = ""
+        while True:
+            found = self._one(
+                "SELECT name FROM run_metrics WHERE tenant=? AND run=? AND name>? "
+                "ORDER BY name LIMIT 1",
+                (tenant, run, name),
+            )
+            if found is None:
+                return out
+            name = str(found["name"])
+            where = "FROM run_metrics WHERE tenant=? AND run=? AND name=? AND step>?"
+            args = (tenant, run, name, after_step)
+            low = self._one(f"SELECT MIN(step) AS s {where}", args)
+            high = self._one(f"SELECT MAX(step) AS s {where}", args)
+            if low is None or high is None or low["s"] is None:
+                continue
+            stride = max(1, -(-(int(high["s"]) - int(low["s"]) + 1) // per_curve))
+            rows = self._all(
+                f"SELECT source, step, value, at {where} AND (? - step) % ? = 0 "
+                "ORDER BY source, step",
+                (*args, int(high["s"]), stride),
+            )
+            out.extend((name, r[0], int(r[1]), float(r[2]), float(r[3])) for r in rows)
+
+    def run_metric_stats(self, tenant: str, run: str) -> tuple[set[str], int, int]:
+        """The names a run has points under, its number of points and its highest step (-1
+        when none): what bounds a client's posts."""
+        names = {
+            r[0]
+            for r in self._all(
+                "SELECT DISTINCT name FROM run_metrics WHERE tenant=? AND run=?", (tenant, run)
+            )
+        }
+        row = self._one(
+            "SELECT COUNT(*) AS n, COALESCE(MAX(step), -1) AS s FROM run_metrics "
+            "WHERE tenant=? AND run=?",
+            (tenant, run),
+        )
+        return names, int(row["n"]) if row else 0, int(row["s"]) if row else -1
+
+    def max_metric_step(self, tenant: str, run: str, name: str, source: str) -> int:
+        row = self._one(
+            "SELECT COALESCE(MAX(step), -1) AS s FROM run_metrics "
+            "WHERE tenant=? AND run=? AND name=? AND source=?",
+            (tenant, run, name, source),
+        )
+        return int(row["s"]) if row else -1

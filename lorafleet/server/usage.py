@@ -102,6 +102,36 @@ class Usage:
         return generate_latest(self.registry)
 
 
+_PREFIX_CACHE_COUNTERS = {
+    "lookups": "Prompt prefills that looked up the sampler's prefix cache",
+    "hit_tokens": "Prompt tokens taken from the prefix cache instead of computed",
+    "missed_tokens": "Prompt tokens computed by prefills",
+    "inserts": "KV blocks added to the prefix cache",
+    "evictions": "KV blocks evicted from the prefix cache (byte budget, LRU)",
+    "invalidated": "KV blocks dropped because their version was published again",
+}
+_PREFIX_CACHE_GAUGES = {
+    "bytes": "Bytes of KV the prefix cache holds",
+    "max_bytes": "The prefix cache's byte budget (0 = off)",
+    "blocks": "KV blocks the prefix cache holds",
+    "hit_rate": "hit_tokens / (hit_tokens + missed_tokens) since start",
+}
+
+
+def _prefix_cache_metrics(stats: dict[str, Any] | None) -> Iterator[Metric]:
+    """The sampler's prefix cache (lorafleet/sample/prefix_cache.py); nothing when it has none."""
+    if stats is None:
+        return
+    for name, doc in _PREFIX_CACHE_COUNTERS.items():
+        yield CounterMetricFamily(
+            f"lorafleet_prefix_cache_{name}", doc, value=float(stats.get(name, 0))
+        )
+    for name, doc in _PREFIX_CACHE_GAUGES.items():
+        yield GaugeMetricFamily(
+            f"lorafleet_prefix_cache_{name}", doc, value=float(stats.get(name, 0))
+        )
+
+
 class _Collector(Collector):
     def __init__(self, usage: Usage, scheduler_stats: Callable[[], dict[str, Any]]):
         self.usage = usage
@@ -191,3 +221,4 @@ class _Collector(Collector):
         yield CounterMetricFamily(
             "lorafleet_rounds", "Engine rounds", value=float(stats.get("rounds", 0))
         )
+        yield from _prefix_cache_metrics(stats.get("prefix_cache"))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -74,12 +75,18 @@ class PristineBase:
             )
         return name
 
-    @torch.no_grad()
     def merge(self, update: AdapterUpdate) -> dict[str, torch.Tensor]:
         """Full checkpoint tensors with the update merged in (fresh tensors for changed ones)."""
-        scale = float(update.spec.scale)
+        return self.merge_weights(update.weights(), float(update.spec.scale))
+
+    @torch.no_grad()
+    def merge_weights(
+        self, weights: Mapping[str, tuple[torch.Tensor, torch.Tensor]], scale: float
+    ) -> dict[str, torch.Tensor]:
+        """`merge` for per-layer fp32 (A[rank, in], B[out, rank]) read from a checkpoint file
+        (`lorafleet export --merged`) rather than a trainer slot."""
         out = dict(self._cast)
-        for path, (A, B) in update.weights().items():
+        for path, (A, B) in weights.items():
             name = self.tensor_name(path)
             W = self._tensors[name]
             if W.shape != (B.shape[0], A.shape[1]):

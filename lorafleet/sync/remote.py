@@ -207,6 +207,19 @@ class HttpEngine:
         with self._lock:
             self._loaded.add(version)
 
+    def load_staged(self, version: AdapterVersion, path: str) -> None:
+        """Loads `version` from a PEFT dir someone else staged (engine-side `path`): a replica
+        pool stages each version once for all its replicas, and removes the files itself
+        (`withdraw` unloads the name and leaves them)."""
+        with self._lock:
+            if version in self._loaded or version in self._staged:
+                raise SyncError(
+                    f"{self.kind} engine: {version.name} is already loaded; versions are immutable"
+                )
+        self._load_lora_path(version.name, path)
+        with self._lock:
+            self._loaded.add(version)
+
     def _load_merged(self, update: AdapterUpdate) -> None:
         pristine, staging = self.pristine, self.staging
         if pristine is None or staging is None:

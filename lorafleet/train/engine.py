@@ -5,8 +5,11 @@ Flow of one `forward_backward(items)`:
    rejected call changes no adapter, gradient or optimizer state. A server validates each
    client's request on its own, then batches the prepared items of many clients together.
 2. Items of one slot that start with the same tokens (the prompt of an RL sampling group) are
-   grouped to run that prefix once, and everything is packed into micro-batches by a budget of
-   padded tokens really run (memory stays bounded however large the call); see layout.py.
+   grouped to run that prefix once, an item nested in another of its slot (an earlier turn of
+   the same conversation) runs nothing and reads the longer item's rows, an item that shares
+   most of a longer one continues that one's cache (prefix_trie.py), and everything is packed
+   into micro-batches by a budget of padded tokens really run (memory stays bounded however
+   large the call); see layout.py.
 3. Each item's loss is computed on its own target log-probs and the sum is backpropagated once
    per micro-batch; each slot's gradient row receives exactly what its rows alone would give.
    The head and its fp32 log-softmax carry autograd only at positions whose loss term can have a
@@ -42,10 +45,12 @@ from lorafleet.train.checkpointing import (
 )
 from lorafleet.train.dimuon import BankDimuon
 from lorafleet.train.items import ItemLimits, PreparedItem, TrainInputError, TrainItem
-from lorafleet.train.layout import Layout, Unit, build_layout, find_groups, plan_units, singles
+from lorafleet.train.layout import Layout, Unit, build_layout, plan_units, singles
 from lorafleet.train.loss_inputs import loss_targets
 from lorafleet.train.losses import compute_loss, gradient_mask, merge_metrics
 from lorafleet.train.optim import AdamHParams, BankAdamW
+from lorafleet.train.prefix_trie import plan_sharing
+from lorafleet.train.recompute import set_recompute
 from lorafleet.train.slot_state import SlotState, host_copy
 
 DEFAULT_TOKEN_BUDGET = 4096
@@ -89,9 +94,12 @@ class TrainEngine:
         with_optimizer: bool = True,
         share_prefixes: bool = True,
         head_grad_where_needed: bool = True,
+        recompute: bool = False,
     ):
         """`share_prefixes` and `head_grad_where_needed` (both exact, on by default) exist to
-        measure the plain path against them (bench/train_prefix.py)."""
+        measure the plain path against them (bench/train_prefix.py). `recompute`: activation
+        recompute per decoder layer (recompute.py; exact, less memory, one more forward; it
+        turns prefix sharing off)."""
         if token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {token_budget}")
         self.adapted = adapted
@@ -104,7 +112,10 @@ class TrainEngine:
         self.device = self.bank.params.device
         # Decided once for the model: (decoder, head), or None for the plain path.
         self.split = _decoder_and_head(model)
-        self.share_prefixes = share_prefixes and self.split is not None
+        self.recompute = recompute
+        if recompute:
+            set_recompute(model, adapted.scope, True)
+        self.share_prefixes = share_prefixes and self.split is not None and not recompute
         self.head_grad_where_needed = head_grad_where_needed
         self.optimizer: BankAdamW | None = None
         if with_optimizer:
@@ -279,7 +290,7 @@ class TrainEngine:
         outputs: dict[int, ItemOutput] = {}
         slots, tokens = [p.slot for p in prepared], [p.tokens for p in prepared]
         lengths = [p.length for p in prepared]
-        units = find_groups(slots, tokens) if self.share_prefixes else singles(len(prepared))
+        units = plan_sharing(slots, tokens) if self.share_prefixes else singles(len(prepared))
         batches = plan_units(units, lengths, self.token_budget)
         # Each micro-batch checks its losses before its backward; if a later one fails, the
         # gradients earlier ones already added are rolled back, so the call is all or nothing.
@@ -317,7 +328,7 @@ class TrainEngine:
     def _run_microbatch(
         self, prepared: list[PreparedItem], units: list[Unit], layout: Layout, *, backward: bool
     ) -> dict[int, ItemOutput]:
-        indices = [i for unit in units for i in unit.items]
+        indices = [i for unit in units for i in unit.members]  # riders too
         # Prepared (validated) on the CPU, where a sharded trainer's driver also prepares;
         # the loss terms are computed where the log-probs are.
         specs = {i: prepared[i].loss.to(self.device) for i in indices}

@@ -7,8 +7,12 @@ then a second forward over each member's suffix against its group's KV cache. Th
 autograd, so every member's loss reaches the adapter through the one shared prefix, and each
 slot's gradient is exactly what running its items one by one would give (up to rounding).
 
-Every position of every item maps to one row of the flattened final hidden states
-(`Layout.positions`); members of a group point at the same rows for their prefix positions.
+A unit can also be a *stem*: its longest item runs whole in the first forward, and each other
+member continues that row's cache from where its own tokens leave it (the turns of one
+conversation, see prefix_trie.py). Every position of every item maps to one row of the
+flattened final hidden states (`Layout.positions`); members of a group or stem point at the same
+rows for the positions they share, and an item nested in another (a turn inside a later turn)
+rides on it: it runs nothing and points at its host's first rows.
 """
 
 from __future__ import annotations
@@ -26,11 +30,39 @@ a few shared tokens do not repay."""
 
 @dataclass(frozen=True)
 class Unit:
-    """Items that run together: one item alone (`prefix` 0), or >= 2 items of one slot whose
-    first `prefix` tokens are equal (each member keeps at least one token of its own)."""
+    """Items of one slot that run together, in one of three forms:
+
+    - one item alone (`prefix` 0, no `depths`);
+    - a group (`prefix` > 0): a first-forward row of the first `prefix` tokens of `items[0]`,
+      which every member continues in the second forward after its first `depths[k]` tokens
+      (all `prefix` when `depths` is empty; each member keeps at least one token of its own);
+    - a stem (`prefix` 0, `depths` given): `items[0]` runs whole in the first forward, and each
+      other item continues its row after the `depths[k]` tokens it shares with it (the turns of
+      a conversation whose history was re-rendered: each shares most of the next turn).
+
+    `riders` are (item, host) pairs: items whose tokens are a prefix of their host's (one of
+    `items`, same slot), which run nothing and read the host's first rows (prefix_trie.py)."""
 
     items: tuple[int, ...]
     prefix: int = 0
+    riders: tuple[tuple[int, int], ...] = ()
+    depths: tuple[int, ...] = ()
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """Every item whose loss this unit computes: those it runs, then its riders."""
+        return self.items + tuple(rider for rider, _ in self.riders)
+
+    def attached(self) -> tuple[tuple[int, int], ...]:
+        """(item, depth) for each item of the second forward: it runs its tokens from `depth`
+        on, against the first-forward row's cache of its first `depth` positions."""
+        if self.prefix:
+            depths = self.depths or (self.prefix,) * len(self.items)
+            return tuple(zip(self.items, depths, strict=True))
+        return tuple(zip(self.items[1:], self.depths, strict=True))
+
+    def riders_of(self, hosts: Sequence[int]) -> tuple[tuple[int, int], ...]:
+        return tuple(pair for pair in self.riders if pair[1] in hosts)
 
 
 def singles(count: int) -> list[Unit]:
@@ -46,12 +78,15 @@ def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
 def find_groups(
     slots: Sequence[int], tokens: Sequence[torch.Tensor], min_prefix: int = MIN_SHARED_PREFIX
 ) -> list[Unit]:
-    """Splits items into units that maximise the prompt tokens saved, (members - 1) x prefix.
+    """Splits items into units that maximise the prompt tokens saved (`_saved`).
 
     Items sorted by (slot, tokens) put every set of items with a common prefix next to each
-    other. A run of sorted items either shares the longest prefix common to all of it, or splits
-    where its neighbours' common prefix is shortest (e.g. a system prompt common to every item)
-    into runs that share longer ones (each sampling group's whole prompt); whichever saves more.
+    other. A run of sorted items either shares as one unit, or splits where its neighbours'
+    common prefix is shortest (e.g. a system prompt common to every item) into runs that share
+    longer ones (each sampling group's whole prompt); whichever saves more. A run shares as a
+    group (the prefix common to all of it, once), or as a stem (its longest item whole, each
+    other item from where it leaves it) where that saves at least `min_prefix` more tokens: the
+    turns of one conversation, each sharing more of the last turn than of the first.
     """
     order = sorted(range(len(tokens)), key=lambda i: (slots[i], tokens[i].tolist()))
     lengths = [int(t.numel()) for t in tokens]
@@ -81,19 +116,46 @@ def find_groups(
             continue
         prefix = min(min(lcp[lo : hi - 1]), min(lengths[i] for i in members) - 1)
         split = [unit for child in children[lo, hi] for unit in best[child]]
-        whole = (len(members) - 1) * prefix if prefix >= min_prefix else 0
-        best[lo, hi] = [Unit(members, prefix)] if whole > _saved(split) else split
+        whole: list[Unit] = []
+        if prefix >= min_prefix:
+            group, stem = Unit(members, prefix), _stem(order, lcp, lengths, lo, hi)
+            # the stem where members share more with the longest one than the common part
+            deeper = _saved([stem]) - _saved([group]) >= min_prefix
+            whole = [stem if deeper else group]
+        best[lo, hi] = whole if _saved(whole) > _saved(split) else split
     return best[0, len(order)] if order else []
 
 
+def _stem(
+    order: Sequence[int], lcp: Sequence[int], lengths: Sequence[int], lo: int, hi: int
+) -> Unit:
+    """The span `order[lo:hi]` as a stem unit on its longest item: each other item's depth is
+    its common prefix with the stem (the least `lcp` between them in sorted order), less one
+    token if it would leave the item none of its own."""
+    at = max(range(lo, hi), key=lambda j: (lengths[order[j]], -j))
+    depth: dict[int, int] = {}
+    common = lengths[order[at]]
+    for j in range(at - 1, lo - 1, -1):  # lcp[j]: order[j] with order[j + 1]
+        common = min(common, lcp[j])
+        depth[order[j]] = min(common, lengths[order[j]] - 1)
+    common = lengths[order[at]]
+    for j in range(at + 1, hi):
+        common = min(common, lcp[j - 1])
+        depth[order[j]] = min(common, lengths[order[j]] - 1)
+    others = [order[j] for j in range(lo, hi) if j != at]
+    return Unit((order[at], *others), depths=tuple(depth[i] for i in others))
+
+
 def _saved(units: Sequence[Unit]) -> int:
-    return sum((len(u.items) - 1) * u.prefix for u in units)
+    """Tokens not run thanks to sharing, before padding: every attached item's shared depth,
+    less the group's prefix row, which runs once."""
+    return sum(sum(depth for _, depth in u.attached()) - u.prefix for u in units)
 
 
 def tokens_run(units: Sequence[Unit], lengths: Sequence[int]) -> int:
     """Padded tokens the model runs for these units in one micro-batch (both forwards)."""
     first = [u.prefix or lengths[u.items[0]] for u in units]
-    second = [lengths[i] - u.prefix for u in units if u.prefix for i in u.items]
+    second = [lengths[i] - depth for u in units for i, depth in u.attached()]
     return len(first) * max(first, default=0) + len(second) * max(second, default=0)
 
 
@@ -101,7 +163,7 @@ def resolve(units: Sequence[Unit], lengths: Sequence[int]) -> list[Unit]:
     """The units as they will run: groups dissolve into single items when padding makes sharing
     cost more tokens than not (prefixes of very different lengths side by side). So a
     micro-batch never runs more tokens than the plain layout of its items."""
-    plain = [Unit((i,)) for u in units for i in u.items]
+    plain = [Unit((i,), riders=u.riders_of((i,))) for u in units for i in u.items]
     return list(units) if tokens_run(units, lengths) < tokens_run(plain, lengths) else plain
 
 
@@ -129,17 +191,37 @@ def plan_units(
 
 
 def _fit(unit: Unit, lengths: Sequence[int], token_budget: int) -> list[Unit]:
-    if not unit.prefix or tokens_run([unit], lengths) <= token_budget:
+    """A unit over the budget, cut into pieces that fit where they can: a stem keeps its first
+    piece; every other piece is a group on the stem's first tokens (as deep as its deepest
+    member needs), or a single item."""
+    if len(unit.items) < 2 or tokens_run([unit], lengths) <= token_budget:
         return [unit]
-    chunks: list[list[int]] = [[]]
-    for item in sorted(unit.items, key=lambda i: -lengths[i]):
-        if (
-            chunks[-1]
-            and tokens_run([Unit((*chunks[-1], item), unit.prefix)], lengths) > token_budget
-        ):
+    stem = () if unit.prefix else unit.items[:1]
+    chunks: list[list[tuple[int, int]]] = [[]]
+    for pair in sorted(unit.attached(), key=lambda p: -lengths[p[0]]):
+        head = stem if len(chunks) == 1 else ()
+        if (chunks[-1] or head) and tokens_run(
+            [_piece(head, [*chunks[-1], pair], unit)], lengths
+        ) > token_budget:
             chunks.append([])
-        chunks[-1].append(item)
-    return [Unit(tuple(c), unit.prefix if len(c) > 1 else 0) for c in chunks]
+        chunks[-1].append(pair)
+    return [_piece(stem if k == 0 else (), chunk, unit) for k, chunk in enumerate(chunks)]
+
+
+def _piece(stem: tuple[int, ...], pairs: Sequence[tuple[int, int]], unit: Unit) -> Unit:
+    """Part of `unit`: its stem (if given) with attached `pairs`, or `pairs` as a group whose
+    first row is the deepest member's shared tokens (the others share fewer of the same)."""
+    items = [item for item, _ in pairs]
+    riders = unit.riders_of([*stem, *items])
+    if stem:
+        return Unit((*stem, *items), 0, riders, tuple(d for _, d in pairs))
+    if len(pairs) == 1:
+        return Unit((items[0],), 0, riders)
+    pairs = sorted(pairs, key=lambda p: -p[1])  # stable: a uniform group keeps its order
+    prefix = pairs[0][1]
+    depths = tuple(d for _, d in pairs)
+    uniform = all(d == prefix for d in depths)
+    return Unit(tuple(i for i, _ in pairs), prefix, riders, () if uniform else depths)
 
 
 def plan_microbatches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
@@ -194,15 +276,16 @@ def build_layout(
     units = sorted(units, key=lambda u: slots[u.items[0]])
     first = [tokens[u.items[0]][: u.prefix or None] for u in units]
     first_rows = _rows(first, [slots[u.items[0]] for u in units])
-    members = [(row, i) for row, u in enumerate(units) if u.prefix for i in u.items]
-    second = [tokens[i][units[row].prefix :] for row, i in members]
+    attached = [(row, i, depth) for row, u in enumerate(units) for i, depth in u.attached()]
+    members = [(row, i) for row, i, _ in attached]
+    second = [tokens[i][depth:] for _, i, depth in attached]
     second_rows = None
     if members:
         second_rows = _cached_rows(
             second,
             [slots[i] for _, i in members],
             cache_width=first_rows.input_ids.shape[1],
-            prefixes=[units[row].prefix for row, _ in members],
+            prefixes=[depth for _, _, depth in attached],
             cache_rows=[row for row, _ in members],
         )
     # Hidden rows: each first-forward row's real positions, then each second-forward row's.
@@ -214,10 +297,13 @@ def build_layout(
     for row, u in enumerate(units):
         if not u.prefix:
             positions[u.items[0]] = torch.arange(starts[row], starts[row + 1])
-    for k, (row, i) in enumerate(members):
-        shared = torch.arange(starts[row], starts[row + 1])
+    for k, (row, i, depth) in enumerate(attached):
+        shared = torch.arange(starts[row], starts[row] + depth)
         own = torch.arange(starts[len(units) + k], starts[len(units) + k + 1])
         positions[i] = torch.cat([shared, own])
+    for u in units:
+        for rider, host in u.riders:
+            positions[rider] = positions[host][: tokens[rider].numel()]
     row_slots = [slots[u.items[0]] for u in units] + [slots[i] for _, i in members]
     hidden_slots = torch.repeat_interleave(torch.tensor(row_slots), torch.tensor(row_lengths))
     run = sum(rows.input_ids.numel() for rows in (first_rows, second_rows) if rows is not None)

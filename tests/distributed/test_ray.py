@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from lorafleet.canary import SyncVerificationError
 from lorafleet.distributed.protocol import RankSettings
 from lorafleet.distributed.remote import DistTrainEngine
 from lorafleet.model.banks import AdapterSpec
@@ -27,6 +28,7 @@ ray = pytest.importorskip("ray")
 
 from lorafleet.distributed.ray_samplers import RaySamplerPool, SamplerSettings  # noqa: E402
 from lorafleet.distributed.ray_trainer import RayRanks  # noqa: E402
+from lorafleet.distributed.wire import to_wire  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -183,3 +185,49 @@ def test_an_idle_replica_that_dies_is_noticed_and_replaced(fleet):
     assert key in pool.known_on(0)
     assert served(pool, 0, key) == served(pool, 1, key)
     trainer.free_adapter(slot)
+
+
+class CountingTrainer:
+    """The trainer as the publisher sees it, counting the canary references asked of it."""
+
+    def __init__(self, trainer: DistTrainEngine):
+        self.trainer, self.bank, self.calls = trainer, trainer.bank, 0
+
+    def canary_logprobs(self, slot, tokens):
+        self.calls += 1
+        return self.trainer.canary_logprobs(slot, tokens)
+
+
+def test_the_canary_runs_once_per_version_and_a_wrong_replica_copy_fails_it(fleet):
+    trainer, pool = fleet
+    store = pool.versions
+    slot = trainer.create_adapter(AdapterSpec(rank=4, alpha=16, seed=6))
+    other = trainer.create_adapter(AdapterSpec(rank=4, alpha=16, seed=7))
+    train_step(trainer, slot, 6)
+    train_step(trainer, other, 7)
+    computed = store.references.computed
+    publisher = CountingTrainer(trainer)
+    key, report = publish_verified(pool, publisher, slot, "tenant-d/model", version=0)
+    # both replicas were checked by the store while publishing, against one trainer reference;
+    # the publisher does not check the version a second time
+    assert store.references.computed == computed + 1 and publisher.calls == 0
+    assert report == store.verified(key) and report.differs_check == "passed"
+    # checking again (every replica) reuses the version's reference, though the slot moved on
+    train_step(trainer, slot, 8)
+    reports = store.verify_everywhere(key, slot)
+    assert len(reports) == 2 and store.references.computed == computed + 1
+    # replica 0 gets another adapter's weights under this version's name: the check against
+    # the recorded reference (what a re-synced replica goes through) fails, naming it
+    handle = pool.replica_handle(0)
+    ray.get(handle.drop.remote(key))
+    wrong = ray.put(to_wire(trainer.bank.check_slot(other).spec, trainer.bank.slot_weights(other)))
+    assert ray.get(handle.load.remote(key, wrong))
+    with pytest.raises(SyncVerificationError, match="canary mismatch for tenant-d/model@0"):
+        store.verify_on("sampler replica 0", handle, key)
+    with pytest.raises(SyncVerificationError, match="sampler replica 0") as err:
+        store.verify_everywhere(key, slot)
+    assert "sampler replica 1" not in str(err.value)
+    store.drop(key)
+    assert store.verified(key) is None and store.references.recorded(key) is None
+    trainer.free_adapter(slot)
+    trainer.free_adapter(other)

@@ -47,8 +47,47 @@ def _file_digests(directory: Path) -> dict[str, str]:
 # --------------------------------------------------------------------------- registry
 
 
+def test_qwen3_shape_preset_is_qwen3_1_7b_built_on_the_device():
+    """Qwen3-1.7B's config with no weight file; load_base builds the weights in the asked
+    dtype on the asked device (here `meta`: the structure, never 1.7B real parameters)."""
+    path = materialize("qwen3-1.7b-shape")
+    assert not list(path.glob("*.safetensors"))
+    assert presets.random_weights_seed(path) == 0
+    base = load_base("qwen3-1.7b-shape", dtype="bf16", device="meta")
+    config = base.model.config
+    expected = {
+        "hidden_size": 2048,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 6144,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+    }
+    assert {key: getattr(config, key) for key in expected} == expected
+    assert config.rope_parameters["rope_theta"] == 1_000_000
+    params = list(base.model.parameters())
+    assert {p.device.type for p in params} == {"meta"}
+    assert {p.dtype for p in params} == {torch.bfloat16}
+    assert sum(p.numel() for p in params) == 1_720_574_976  # tied embeddings counted once
+    assert base.model.config._attn_implementation == "sdpa"
+    # Every id of the tokenizer is a row of the embedding; its end token is the config's.
+    assert len(base.tokenizer) <= config.vocab_size
+    assert config.eos_token_id == base.tokenizer.eos_token_id
+    assert presets.random_weights_seed(materialize("tiny-qwen3")) is None
+
+
 def test_registry():
-    assert preset_names() == ["tiny-qwen3", "tiny-llama", "tiny-qwen3-moe", "smollm2-135m"]
+    assert preset_names() == [
+        "tiny-qwen3",
+        "tiny-llama",
+        "tiny-qwen3-moe",
+        "smollm2-135m",
+        "qwen3-1.7b-shape",
+    ]
     assert all(is_preset(name) for name in preset_names())
     assert not is_preset("no-such-model")
     assert all(spec.description for spec in PRESETS.values())

@@ -22,6 +22,7 @@ import zstandard
 from fastapi.routing import APIRoute
 
 from lorafleet.server.app import PUBLIC_PATHS, SIGNED_GET_PREFIXES, create_app
+from lorafleet.server.console.routes import CONSOLE
 from lorafleet.server.main import ServerThread, warn_if_exposed
 from lorafleet.server.service import ServerConfig
 from tests.reliability.fuzz import NAMES, PROTOBUF, Raw, Tenancy, fwdbwd_body, set_up_tenant
@@ -122,6 +123,16 @@ def check_keys(server: ServerThread, report: SecurityReport) -> None:
                 public = path in PUBLIC_PATHS
                 # signed download links: no key by design, the link's signature is the credential
                 signed = method in ("GET", "HEAD") and path.startswith(SIGNED_GET_PREFIXES)
+                # the console's page and assets hold no data; its API checks its own session
+                # cookie (401 without one, like a missing key; tests/server/test_console_security.py)
+                page = method == "GET" and (
+                    path == CONSOLE or path.startswith(f"{CONSOLE}/static/")
+                )
+                if page:
+                    if response.status_code not in (200, 404):
+                        report.auth_bypasses += 1
+                        report.fail(f"console {method} {path} answered {response.status_code}")
+                    continue
                 if public and (response.status_code != 200 or not _states_only(response.json())):
                     report.auth_bypasses += 1
                     report.fail(

@@ -4,11 +4,13 @@ and their checkpoints (listing, TTL, deletion), and what a checkpoint's weights 
 from __future__ import annotations
 
 import asyncio
+from email.utils import formatdate
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Query, Request
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, RedirectResponse, StreamingResponse
 
+from lorafleet.server.archives import tar_stream
 from lorafleet.server.rest import FILES_ROUTE, Rest
 from lorafleet.server.routes import API
 from lorafleet.server.routes.bodies import BodyReader, tenant
@@ -80,6 +82,34 @@ def add_routes(app: FastAPI, rest: Rest, bodies: BodyReader) -> None:
         """No API key (app.KeyGate lets FILES_ROUTE through): the signature is the credential."""
         path = rest.external_file(run_id, name, file, signed_for, expires, sig)
         return FileResponse(path, media_type="application/octet-stream")
+
+    @app.get(f"{API}/training_runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}/archive")
+    async def checkpoint_archive(
+        run_id: str, checkpoint_id: str, request: Request
+    ) -> RedirectResponse:
+        """A 302 to a signed tar link, with `Expires`: what SDKs before 0.38 read in
+        `get_checkpoint_archive_url`; `lorafleet export` reads the same."""
+        base_url = str(request.base_url).rstrip("/")
+        url, expires = rest.checkpoint_archive_url(tenant(request), run_id, checkpoint_id, base_url)
+        return RedirectResponse(
+            url, status_code=302, headers={"Expires": formatdate(expires, usegmt=True)}
+        )
+
+    @app.get(f"{FILES_ROUTE}/{{run_id}}/archive/{{segment}}/{{name}}")
+    async def archive_file(
+        run_id: str,
+        segment: str,
+        name: str,
+        signed_for: Annotated[str | None, Query(alias="tenant")] = None,
+        expires: str | None = None,
+        sig: str | None = None,
+    ) -> StreamingResponse:
+        """No API key (app.KeyGate lets FILES_ROUTE through): the signature is the credential."""
+        files = rest.archive_files(run_id, segment, name, signed_for, expires, sig)
+        length, chunks = tar_stream(files)
+        return StreamingResponse(
+            chunks, media_type="application/x-tar", headers={"Content-Length": str(length)}
+        )
 
     @app.post(f"{API}/copy_weights")
     async def copy_weights(request: Request) -> dict[str, Any]:

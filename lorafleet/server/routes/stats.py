@@ -1,6 +1,7 @@
 """lorafleet's own counters (not part of the Tinker API): batches per kind, mixed and
 cross-tenant batches, loaded models, pending operations. An operator key reads them all; any
-other key reads the server-wide counts and only its own per-tenant entries (`own_view`)."""
+other key reads the server-wide counts and only its own per-tenant entries (`own_view`), and
+rollout replicas without the names of the versions they hold."""
 
 from __future__ import annotations
 
@@ -31,7 +32,31 @@ def own_view(stats: dict[str, Any], tenant_id: str) -> dict[str, Any]:
         if isinstance(order, list):
             fair["turn_order"] = [t for t in order if t == tenant_id]
         view["fair_share"] = fair
+    rollout = view.get("rollout")
+    if isinstance(rollout, dict) and isinstance(rollout.get("replicas"), list):
+        # Which versions a replica holds, and the last canary's version, name other tenants'
+        # runs and checkpoints: a tenant sees each replica's state and a count only.
+        view["rollout"] = {
+            **rollout,
+            "replicas": [_replica_counts(r) for r in rollout["replicas"]],
+        }
     return view
+
+
+def _replica_counts(replica: Any) -> Any:
+    if not isinstance(replica, dict):
+        return replica
+    shown = {k: v for k, v in replica.items() if k not in ("versions", "last_canary", "error")}
+    # an error may quote the version it failed on
+    shown["error"] = None if replica.get("error") is None else "failing (details: operator view)"
+    versions = replica.get("versions")
+    shown["versions"] = len(versions) if isinstance(versions, list) else 0
+    canary = replica.get("last_canary")
+    if isinstance(canary, dict):
+        shown["last_canary"] = {k: v for k, v in canary.items() if k != "version"}
+    else:
+        shown["last_canary"] = None
+    return shown
 
 
 def add_routes(app: FastAPI, stats: Callable[[], dict[str, Any]]) -> None:

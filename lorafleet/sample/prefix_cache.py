@@ -1,0 +1,260 @@
+"""KV blocks of prompt prefixes, kept across requests so a prompt that repeats one computes only
+its new tokens.
+
+Multi-turn and agentic sampling resends the whole conversation every turn, and every tenant
+repeats its system prompt: without a cache the sampler prefills the same prefixes again and
+again. As in vLLM, a sequence's tokens are cut into fixed blocks of `block_tokens`; a block is
+found by its parent block and its own token ids, so a block stands for its whole prefix (a chain
+hashed over the token ids; the dict compares the ids themselves, so two prefixes never collide).
+
+The chain starts at a root per (adapter, version) record: KV computed under one version is never
+used for another, nor for the base model (its own root). A version that is dropped and
+published again under the same key is a new record of the version store, so it gets a new root
+(roots are never reused), and the old root's blocks are dropped with it; the blocks of a
+version dropped for good can never match either and age out of the LRU.
+
+Only full blocks are cached. The engine never looks up a prompt's last token (its logits are
+needed to sample), nor any position whose logits a request reads (prompt log-probs, top-k,
+targets, alternatives): those requests hit at most up to their first scored position.
+
+Bounded by bytes and evicted least recently used, leaves first: each lookup or insert touches
+its chain from the leaf up, so a parent is always more recently used than its children, the
+oldest block is always a leaf, and eviction never leaves a chain with a hole.
+
+Used by the engine's step (one thread at a time); the lock keeps `stats` (read by the server's
+stats thread) consistent.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from lorafleet.sample.types import VersionKey
+
+DEFAULT_BLOCK_TOKENS = 16
+DEFAULT_TOKENS_PER_ROW = 512  # default budget: this many tokens of KV per sampler row
+
+# Reads the KV of positions [start, stop) of the row just computed: (keys, values), each
+# [layers, kv_heads, stop - start, head_dim].
+KVReader = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+@runtime_checkable
+class PrefixCacheReport(Protocol):
+    """A sampler with a prefix cache (the embedded engine; Ray replicas and external engines
+    report none), as the server's stats and /metrics read it."""
+
+    def prefix_cache_stats(self) -> dict[str, object]: ...
+
+
+@dataclass(eq=False)
+class Block:
+    """`block_tokens` positions of KV, valid only after its parent's prefix."""
+
+    id: int
+    root: int
+    parent: int  # the parent block's id, or the root for a chain's first block
+    tokens: tuple[int, ...]
+    keys: torch.Tensor  # [layers, kv_heads, block_tokens, head_dim]
+    values: torch.Tensor
+    children: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.numel() * self.keys.element_size() + (
+            self.values.numel() * self.values.element_size()
+        )
+
+
+@dataclass
+class PrefixCacheCounters:
+    lookups: int = 0
+    hit_tokens: int = 0
+    missed_tokens: int = 0  # prompt tokens computed by prefills
+    inserts: int = 0  # blocks added
+    evictions: int = 0  # blocks dropped for the byte budget
+    invalidated: int = 0  # blocks dropped because their version was published again
+
+
+class PrefixCache:
+    """Full KV blocks of seen prefixes, per (adapter, version) record, bounded by `max_bytes`
+    (0 disables: nothing is kept, every lookup misses, the counters still count prefills)."""
+
+    def __init__(self, max_bytes: int, *, block_tokens: int = DEFAULT_BLOCK_TOKENS):
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+            raise ValueError(f"prefix_cache_bytes must be an integer >= 0, got {max_bytes!r}")
+        if block_tokens < 1:
+            raise ValueError(f"block_tokens must be >= 1, got {block_tokens!r}")
+        self.max_bytes = max_bytes
+        self.block_tokens = block_tokens
+        self.counters = PrefixCacheCounters()
+        self._lock = threading.Lock()
+        self._next_id = 1
+        self._base_root = self._new_id()
+        # key -> (the version store's record it was computed under, its root)
+        self._roots: dict[VersionKey, tuple[object, int]] = {}
+        self._table: dict[tuple[int, tuple[int, ...]], Block] = {}
+        self._lru: OrderedDict[int, Block] = OrderedDict()  # oldest first
+        self._bytes = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_bytes > 0
+
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id - 1
+
+    # ------------------------------------------------------------------ roots
+    def root(self, key: VersionKey | None, record: object | None) -> int:
+        """The chain seed for version `key` as the store holds it now (`record`: its record
+        object, compared by identity; None for the base model)."""
+        if key is None:
+            return self._base_root
+        with self._lock:
+            entry = self._roots.get(key)
+            if entry is not None and entry[0] is record:
+                return entry[1]
+            root = self._new_id()
+            self._roots[key] = (record, root)
+            if entry is not None:
+                self._drop_root(entry[1])
+            return root
+
+    def _drop_root(self, root: int) -> None:
+        stale = [b for b in self._lru.values() if b.root == root]
+        for block in sorted(stale, key=lambda b: -b.id):  # children were created after parents
+            self._remove(block)
+            self.counters.invalidated += 1
+
+    # ------------------------------------------------------------------ lookups
+    def lookup(self, root: int, tokens: Sequence[int], limit: int) -> list[Block]:
+        """The cached blocks covering the longest cached prefix of `tokens[:limit]` (full
+        blocks only), touched as used. Counts nothing: the engine counts what it prefills."""
+        if not self.enabled or limit < self.block_tokens:
+            return []
+        size = self.block_tokens
+        found: list[Block] = []
+        parent = root
+        with self._lock:
+            for start in range(0, limit - size + 1, size):
+                block = self._table.get((parent, tuple(tokens[start : start + size])))
+                if block is None:
+                    break
+                found.append(block)
+                parent = block.id
+            self._touch(found)
+        return found
+
+    def record(self, hit_tokens: int, missed_tokens: int) -> None:
+        """One prefill of a prompt: `hit_tokens` came from the cache, the rest were computed."""
+        with self._lock:
+            self.counters.lookups += 1
+            self.counters.hit_tokens += hit_tokens
+            self.counters.missed_tokens += missed_tokens
+
+    # ------------------------------------------------------------------ inserts
+    def insert(self, root: int, tokens: Sequence[int], read: KVReader) -> int:
+        """Caches the full blocks of `tokens` (whose KV `read` gives) that are not cached yet;
+        returns how many were added. Reads the KV of the new blocks only, in one span."""
+        if not self.enabled:
+            return 0
+        size = self.block_tokens
+        full = len(tokens) // size
+        with self._lock:
+            chain: list[Block] = []
+            parent = root
+            first_new = full
+            for i in range(full):
+                block = self._table.get((parent, tuple(tokens[i * size : (i + 1) * size])))
+                if block is None:
+                    first_new = i
+                    break
+                chain.append(block)
+                parent = block.id
+            if first_new < full:
+                keys, values = read(first_new * size, full * size)
+                for i in range(first_new, full):
+                    span = slice((i - first_new) * size, (i - first_new + 1) * size)
+                    block = Block(
+                        id=self._new_id(),
+                        root=root,
+                        parent=parent,
+                        tokens=tuple(tokens[i * size : (i + 1) * size]),
+                        keys=keys[:, :, span].clone(),
+                        values=values[:, :, span].clone(),
+                    )
+                    self._add(block)
+                    chain.append(block)
+                    parent = block.id
+            self._touch(chain)
+            self._evict()
+            return full - first_new
+
+    def _add(self, block: Block) -> None:
+        parent = self._lru.get(block.parent)
+        if parent is not None:
+            parent.children += 1
+        self._table[(block.parent, block.tokens)] = block
+        self._lru[block.id] = block
+        self._bytes += block.nbytes
+        self.counters.inserts += 1
+
+    def _remove(self, block: Block) -> None:
+        del self._table[(block.parent, block.tokens)]
+        del self._lru[block.id]
+        self._bytes -= block.nbytes
+        parent = self._lru.get(block.parent)
+        if parent is not None:
+            parent.children -= 1
+
+    def _touch(self, chain: list[Block]) -> None:
+        """Leaf first, so each parent ends up more recent than its children."""
+        for block in reversed(chain):
+            self._lru.move_to_end(block.id)
+
+    def _evict(self) -> None:
+        while self._bytes > self.max_bytes and self._lru:
+            oldest = next(iter(self._lru.values()))
+            if oldest.children:  # cannot happen (see the module docstring); never leave a hole
+                raise RuntimeError("prefix cache: the least recently used block has children")
+            self._remove(oldest)
+            self.counters.evictions += 1
+
+    def clear(self) -> None:
+        """Drops every block (the counters stay): e.g. a benchmark's fresh start."""
+        with self._lock:
+            self._table.clear()
+            self._lru.clear()
+            self._bytes = 0
+
+    # ------------------------------------------------------------------ report
+    def stats(self) -> dict[str, object]:
+        with self._lock:
+            c = self.counters
+            total = c.hit_tokens + c.missed_tokens
+            return {
+                "enabled": self.enabled,
+                "block_tokens": self.block_tokens,
+                "max_bytes": self.max_bytes,
+                "bytes": self._bytes,
+                "blocks": len(self._lru),
+                "lookups": c.lookups,
+                "hit_tokens": c.hit_tokens,
+                "missed_tokens": c.missed_tokens,
+                "hit_rate": c.hit_tokens / total if total else 0.0,
+                "inserts": c.inserts,
+                "evictions": c.evictions,
+                "invalidated": c.invalidated,
+            }
+
+    def blocks(self) -> list[Block]:
+        """Every cached block, least recently used first (tests, operator views)."""
+        with self._lock:
+            return list(self._lru.values())

@@ -1,0 +1,254 @@
+"""OpenAI completions through the Tinker sample path: the request becomes the same `SampleArgs`
+the `sample` route builds, goes through the same intake (quotas, the queue bound, metering) and
+scheduler (fair share) to whichever sampler is configured, and its result is the same
+SampleResponse, rendered as OpenAI objects.
+
+Streaming: the sampler calls the request's progress hook (`sample.types.TokenHook`) on its own
+thread as each token is drawn; the hook hands the token to the request's event loop, and the
+route sends the text as it grows. A sampler that cannot call the hook (its batch runs in
+another process: Ray replicas, a vLLM pool) sends nothing until the end, and the stream then
+carries the whole completion at once. What is buffered is at most the request's own tokens, which
+its cost check bounded before it ran. A client that disconnects stops its stream: the hook goes
+quiet and nothing waits for the result, while the sample itself runs to its end (it is metered
+and its result kept like any other), so no other request is touched."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from lorafleet.sample.types import SamplingParams
+from lorafleet.server import requests
+from lorafleet.server.auth import Tenant
+from lorafleet.server.errors import ApiError, ServerFault, UserError
+from lorafleet.server.futures import FutureTable, Result
+from lorafleet.server.intake import Intake
+from lorafleet.server.openai import asks, render
+from lorafleet.server.openai.errors import OpenAIError, body
+from lorafleet.server.openai.errors import from_failed_result as failed
+from lorafleet.server.openai.models import Models, Target
+from lorafleet.server.openai.text import Incremental, Text, cut_at_stop, safe_prefix
+from lorafleet.server.payloads import SampleArgs
+from lorafleet.server.served import ServedBase
+
+log = logging.getLogger(__name__)
+
+
+class StreamHook:
+    """The progress hook of one streaming request: tokens onto its event loop's queue."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[tuple[int, int]]):
+        self._loop = loop
+        self._queue = queue
+        self._open = True
+
+    def __call__(self, sample: int, token: int) -> None:
+        if not self._open:
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, (sample, token))
+        except RuntimeError:  # the loop is closed (server shutdown): nobody to tell
+            self._open = False
+
+    def close(self) -> None:
+        """The client is gone or the result is in: later tokens are not queued."""
+        self._open = False
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        """Sent to another process (a Ray sampler replica), the hook becomes a no-op there:
+        the loop it feeds lives here. The stream then gets the tokens with the result."""
+        return (_quiet, ())
+
+
+def _quiet() -> Any:
+    return lambda sample, token: None
+
+
+class Completions:
+    def __init__(
+        self,
+        intake: Intake,
+        futures: FutureTable,
+        models: Models,
+        served: ServedBase,
+        text: Text,
+        poll_s: float,
+        rollout_engine: str = "embedded",
+    ):
+        self.intake = intake
+        self.futures = futures
+        self.models = models
+        self.served = served
+        self.text = text
+        self.poll_s = poll_s
+        self.rollout_engine = rollout_engine  # which sampler runs the requests (--rollout-engine)
+
+    def parse(self, tenant: Tenant, raw: Any, chat: bool) -> tuple[asks.Ask, Target]:
+        limits = self.served.limits
+        ask = asks.chat(raw, self.text, limits) if chat else asks.completion(raw, self.text, limits)
+        self._check_engine(ask)
+        return ask, self.models.resolve(tenant, ask.model)
+
+    def _check_engine(self, ask: asks.Ask) -> None:
+        """A rollout engine (vLLM, SGLang) ends samples at token ids, not strings, and returns
+        the sampled tokens' log-probs without alternatives (`sync/rollout_requests.py` refuses
+        both). Refused here, before anything is queued, with OpenAI's field named, rather than
+        as a failed sample naming the Tinker fields the request was turned into."""
+        engine = self.rollout_engine
+        if engine == "embedded":
+            return
+        if ask.stop:
+            raise OpenAIError(
+                f"stop is not supported with the {engine} rollout engine this server samples "
+                "with (it ends samples at token ids, not strings); send the request without it",
+                "stop",
+                code="unsupported",
+            )
+        if ask.logprobs:
+            field = "top_logprobs" if ask.chat else "logprobs"
+            raise OpenAIError(
+                f"{field} {ask.logprobs} is not supported with the {engine} rollout engine this "
+                "server samples with (it returns the sampled tokens' log-probs only); ask for "
+                + ("logprobs: true without top_logprobs" if ask.chat else "logprobs: 0"),
+                field,
+                code="unsupported",
+            )
+
+    def submit(
+        self, tenant: Tenant, raw: Any, ask: asks.Ask, target: Target, hook: StreamHook | None
+    ) -> str:
+        """The request into the scheduler (cost checked first); its request id."""
+        stop: list[str] | None = None
+        if ask.stop:
+            stop = list(dict.fromkeys([*ask.stop, *self.text.eos_strings()]))
+        args = SampleArgs(
+            prompt=ask.prompt,
+            params=SamplingParams(
+                max_tokens=ask.max_tokens,
+                temperature=ask.temperature,
+                top_k=ask.top_k,
+                top_p=ask.top_p,
+                stop=stop,
+                seed=ask.seed,
+            ),
+            num_samples=ask.n,
+            prompt_logprobs=False,
+            topk_prompt=0,
+            topk_sample=ask.logprobs or 0,
+            last_n=None,
+            adapter=target.adapter,
+            checkpoint_path=target.checkpoint_path,
+            on_token=hook,
+        )
+        try:
+            requests.check_sample_cost(args, self.served.limits, self.served.context_length)
+        except UserError as exc:
+            field = "max_completion_tokens" if ask.chat else "max_tokens"
+            raise OpenAIError(exc.message, field) from None
+        promise = self.intake.submit(
+            tenant, "sample", args, fingerprint=requests.fingerprint(raw), ordered=False
+        )
+        return str(promise["request_id"])
+
+    async def result(self, tenant: Tenant, rid: str) -> list[render.Sampled]:
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            result: Result | None = await self.futures.wait(rid, tenant.id, self.poll_s)
+            if result is not None:
+                break
+            if loop.time() - started < self.poll_s / 2:  # released early: the table closed
+                raise ServerFault("the server is shutting down; send the request again")
+        if result.failed:
+            raise failed(result.body)
+        return render.sampled(result.body)
+
+    async def answer(self, tenant: Tenant, raw: Any, chat: bool) -> dict[str, Any]:
+        ask, target = self.parse(tenant, raw, chat)
+        rid = self.submit(tenant, raw, ask, target, None)
+        seqs = await self.result(tenant, rid)
+        return render.response(ask, rid, int(time.time()), seqs, self.text)
+
+    def stream(self, tenant: Tenant, raw: Any, chat: bool) -> AsyncIterator[str]:
+        """Everything that can fail at the door fails here, before the stream starts (as an
+        ordinary JSON error); the returned iterator yields the server-sent events."""
+        ask, target = self.parse(tenant, raw, chat)
+        queue: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
+        hook = StreamHook(asyncio.get_running_loop(), queue)
+        rid = self.submit(tenant, raw, ask, target, hook)
+        return self._events(tenant, ask, rid, hook, queue)
+
+    async def _events(
+        self,
+        tenant: Tenant,
+        ask: asks.Ask,
+        rid: str,
+        hook: StreamHook,
+        queue: asyncio.Queue[tuple[int, int]],
+    ) -> AsyncIterator[str]:
+        created = int(time.time())
+        live = [Incremental(self.text) for _ in range(ask.n)]
+        shown = [""] * ask.n
+        stopped = [False] * ask.n
+        done = asyncio.ensure_future(self.result(tenant, rid))
+        getter: asyncio.Future[tuple[int, int]] | None = None
+        try:
+            if ask.chat:
+                for i in range(ask.n):
+                    yield _sse(render.chunk(ask, rid, created, i, "", first=True))
+            while not done.done():
+                getter = asyncio.ensure_future(queue.get())
+                await asyncio.wait({getter, done}, return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():
+                    getter.cancel()
+                    break
+                events = [getter.result()]
+                while not queue.empty():
+                    events.append(queue.get_nowait())
+                for i in sorted({sample for sample, _ in events}):
+                    live[i].add([token for sample, token in events if sample == i])
+                    if stopped[i]:
+                        continue
+                    so_far, stopped[i] = cut_at_stop(live[i].text, ask.stop)
+                    visible = so_far if stopped[i] else safe_prefix(so_far, ask.stop)
+                    if len(visible) > len(shown[i]) and visible.startswith(shown[i]):
+                        delta, shown[i] = visible[len(shown[i]) :], visible
+                        yield _sse(render.chunk(ask, rid, created, i, delta))
+            try:
+                seqs = await done
+            except ApiError as exc:
+                yield _sse(body(exc))
+                return
+            for i, seq in enumerate(seqs):
+                final = render.final_text(seq, ask, self.text)
+                if not final.startswith(shown[i]):  # never expected: the tokens are the same
+                    log.error(
+                        "stream %s choice %d: streamed text is not a prefix of the result", rid, i
+                    )
+                yield _sse(
+                    render.chunk(
+                        ask,
+                        rid,
+                        created,
+                        i,
+                        final[len(shown[i]) :] if final.startswith(shown[i]) else "",
+                        finish_reason=seq.finish_reason,
+                        logprobs_=render.logprobs(seq, ask, self.text),
+                    )
+                )
+            if ask.include_usage:
+                yield _sse(render.usage_chunk(ask, rid, created, seqs))
+            yield "data: [DONE]\n\n"
+        finally:
+            hook.close()
+            if getter is not None:
+                getter.cancel()
+            done.cancel()
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
