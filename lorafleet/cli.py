@@ -169,9 +169,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    rollout = _rollout_config(args, "serve")
     engine = EngineConfig(
         base_model=args.base_model,
-        dtype=_resolve_dtype(args.dtype),
+        dtype=_resolve_dtype(_rollout_dtype(args.dtype, rollout)),
         max_adapters=args.max_adapters,
         warm_bytes=args.warm_bytes,
         prefix_cache_bytes=args.prefix_cache_bytes,
@@ -179,7 +180,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_lora_rank=args.max_lora_rank,
         lora_alpha=args.lora_alpha,
         dist=_dist_config(args),
-        rollout=_rollout_config(args, "serve"),
+        rollout=rollout,
     )
     config = ServerConfig(
         base_model=args.base_model,
@@ -264,6 +265,20 @@ def _rollout_config(args: argparse.Namespace, command: str) -> RolloutConfig | N
     except ValueError as exc:
         raise SystemExit(f"lorafleet {command}: {exc}") from None
     return config if config.external else None
+
+
+def _rollout_dtype(dtype: str, rollout: RolloutConfig | None) -> str:
+    """With an external rollout engine, `auto` means fp32: the canary after each sync compares
+    the engine's log-probs with the trainer's, and at bf16's tolerance a stale version can pass
+    for the new one (docs/rollout_engines.md). An explicit --dtype still wins."""
+    if rollout is None or dtype != "auto":
+        return dtype
+    print(
+        "lorafleet: dtype float32 (auto with an external rollout engine: the canary needs fp32 "
+        "to tell versions apart; --dtype bfloat16 overrides)",
+        file=sys.stderr,
+    )
+    return "float32"
 
 
 def _add_rollout_options(parser: argparse.ArgumentParser) -> None:
@@ -506,6 +521,7 @@ def _cmd_rl(args: argparse.Namespace) -> int:
         )
         for i in range(n)
     ]
+    rollout = _rollout_config(args, "rl")
     config = RLConfig(
         base_model=args.base_model,
         run_dir=Path(args.run_dir),
@@ -516,9 +532,9 @@ def _cmd_rl(args: argparse.Namespace) -> int:
         api_keys=args.api_key or None,
         resume=args.resume,
         progress=not args.no_progress,
-        dtype=args.dtype,
+        dtype=_rollout_dtype(args.dtype, rollout),
         torch_threads=args.torch_threads,
-        rollout=_rollout_config(args, "rl"),
+        rollout=rollout,
     )
     if config.rollout is not None and config.base_url:
         raise SystemExit(

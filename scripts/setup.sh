@@ -11,11 +11,15 @@ cd "$(dirname "$0")/.."
 # Chromium for the console's browser tests (tests/console; Playwright drives /usr/bin/chromium,
 # its own browser download cannot reach the internet here). Without root or sudo the tests skip
 # and name the command.
+install_chromium() {
+  "$@" apt-get install -y -q chromium >/dev/null 2>&1 ||
+    { "$@" apt-get update -q >/dev/null 2>&1 && "$@" apt-get install -y -q chromium >/dev/null 2>&1; }
+}
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ]; then
-    apt-get install -y -q chromium >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; }
+    install_chromium || echo "setup: apt-get could not install chromium; the console's browser tests skip" >&2
   elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
-    sudo apt-get install -y -q chromium >/dev/null || { sudo apt-get update -q >/dev/null && sudo apt-get install -y -q chromium >/dev/null; }
+    install_chromium sudo || echo "setup: apt-get could not install chromium; the console's browser tests skip" >&2
   else
     echo "setup: chromium missing; the console's browser tests skip (apt-get install -y chromium)" >&2
   fi

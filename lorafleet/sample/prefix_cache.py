@@ -10,8 +10,10 @@ hashed over the token ids; the dict compares the ids themselves, so two prefixes
 The chain starts at a root per (adapter, version) record: KV computed under one version is never
 used for another, nor for the base model (its own root). A version that is dropped and
 published again under the same key is a new record of the version store, so it gets a new root
-(roots are never reused), and the old root's blocks are dropped with it; the blocks of a
-version dropped for good can never match either and age out of the LRU.
+(roots are never reused), and the old root's blocks are dropped with it. Records are held
+weakly: a version dropped for good (retired, past retention: a new key every save) leaves no
+entry behind, and its blocks, which can never match again, are dropped when the next version's
+root is made, so neither the roots nor dead KV grow with the number of versions ever sampled.
 
 Only full blocks are cached. The engine never looks up a prompt's last token (its logits are
 needed to sample), nor any position whose logits a request reads (prompt log-probs, top-k,
@@ -28,6 +30,7 @@ stats thread) consistent.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -79,7 +82,7 @@ class PrefixCacheCounters:
     missed_tokens: int = 0  # prompt tokens computed by prefills
     inserts: int = 0  # blocks added
     evictions: int = 0  # blocks dropped for the byte budget
-    invalidated: int = 0  # blocks dropped because their version was published again
+    invalidated: int = 0  # blocks of versions dropped or published again
 
 
 class PrefixCache:
@@ -97,8 +100,8 @@ class PrefixCache:
         self._lock = threading.Lock()
         self._next_id = 1
         self._base_root = self._new_id()
-        # key -> (the version store's record it was computed under, its root)
-        self._roots: dict[VersionKey, tuple[object, int]] = {}
+        # key -> (the version store's record it was computed under, held weakly; its root)
+        self._roots: dict[VersionKey, tuple[weakref.ref[object], int]] = {}
         self._table: dict[tuple[int, tuple[int, ...]], Block] = {}
         self._lru: OrderedDict[int, Block] = OrderedDict()  # oldest first
         self._bytes = 0
@@ -114,21 +117,30 @@ class PrefixCache:
     # ------------------------------------------------------------------ roots
     def root(self, key: VersionKey | None, record: object | None) -> int:
         """The chain seed for version `key` as the store holds it now (`record`: its record
-        object, compared by identity; None for the base model)."""
+        object, compared by identity and held weakly; None for the base model)."""
         if key is None:
             return self._base_root
+        if record is None:
+            raise ValueError(f"prefix cache: version {key!r} needs its version-store record")
         with self._lock:
             entry = self._roots.get(key)
-            if entry is not None and entry[0] is record:
+            if entry is not None and entry[0]() is record:
                 return entry[1]
             root = self._new_id()
-            self._roots[key] = (record, root)
+            self._roots[key] = (weakref.ref(record), root)
+            # A new version: forget the roots of versions the store let go of since (their
+            # records are gone), and the one this key had before, with their blocks.
+            dead = {r for k, (ref, r) in self._roots.items() if ref() is None}
+            for k in [k for k, (_, r) in self._roots.items() if r in dead]:
+                del self._roots[k]
             if entry is not None:
-                self._drop_root(entry[1])
+                dead.add(entry[1])
+            if dead:
+                self._drop_roots(dead)
             return root
 
-    def _drop_root(self, root: int) -> None:
-        stale = [b for b in self._lru.values() if b.root == root]
+    def _drop_roots(self, roots: set[int]) -> None:
+        stale = [b for b in self._lru.values() if b.root in roots]
         for block in sorted(stale, key=lambda b: -b.id):  # children were created after parents
             self._remove(block)
             self.counters.invalidated += 1

@@ -235,7 +235,7 @@ class Executor:
         }
 
     def rollout_health(self) -> str | None:
-        """"ok", "degraded" or "unavailable" (see `RolloutReport.health`); None for the
+        """ "ok", "degraded" or "unavailable" (see `RolloutReport.health`); None for the
         embedded sampler, which the engine's own liveness covers."""
         return self.sampler.health() if isinstance(self.sampler, RolloutReport) else None
 

@@ -91,7 +91,14 @@ def serve(config: ServerConfig, *, log_level: str = "info") -> None:
     """Blocks until interrupted (SIGINT/SIGTERM, handled by uvicorn); SIGHUP reloads the
     tenants file (`Service.request_reload`)."""
     warn_if_exposed(config.host)
-    service = Service(config)  # loads the model on its engine thread
+    # SIGTERM while the service starts (spawned vLLM replicas take a minute or two) ends the
+    # process the way Ctrl-C does, by an exception, so that exit hooks run: the one in
+    # sync/vllm_server.py stops the servers already started (they are in their own session)
+    previous_term = signal.signal(signal.SIGTERM, _stopped_while_starting)
+    try:
+        service = Service(config)  # loads the model on its engine thread
+    finally:
+        signal.signal(signal.SIGTERM, previous_term)
     # uvicorn shuts down gracefully on SIGINT/SIGTERM and then re-raises the signal to whatever
     # handler was there before; make that handler a normal exit so the engine and the database
     # are closed below rather than the process being killed mid-way.
@@ -114,3 +121,7 @@ def serve(config: ServerConfig, *, log_level: str = "info") -> None:
 
 def _exit_cleanly(signum: int, _frame: object) -> None:
     raise SystemExit(0)
+
+
+def _stopped_while_starting(signum: int, _frame: object) -> None:
+    raise SystemExit(f"lorafleet serve: stopped by signal {signum} while starting")

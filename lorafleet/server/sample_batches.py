@@ -34,9 +34,7 @@ def _not_run() -> Result:
 def _result(output: SampleResult, args: SampleArgs) -> Result:
     if output.error is not None and output.error.code == "engine_unavailable":
         # the rollout replicas are down or restarting: the request is fine, retry it later
-        return Result.error(
-            ServerFault(f"sample: {strip_paths(output.error.message)}", status=503)
-        )
+        return Result.error(ServerFault(f"sample: {strip_paths(output.error.message)}", status=503))
     if output.error is not None:
         return Result.error(UserError(f"sample: {strip_paths(output.error.message)}"))
     return Result.proto(

@@ -127,6 +127,7 @@ class Partial:
 class _TrainProgress:
     sizes: tuple[int, ...]  # tokens of each datum
     queued_round: int  # rounds begun when it was submitted
+    costs: tuple[int, ...] = ()  # what fair share counts per datum (default: its tokens)
     done: int = 0  # datums already taken
     outputs: list[object] = field(default_factory=list)  # Partial values of the chunks run
 
@@ -208,6 +209,7 @@ class Scheduler:
         quantum: int | None = None,
         weight_of: Callable[[str], float] = lambda tenant: 1.0,
         op_sizes: Callable[[Op], Sequence[int]] = one_datum,
+        op_costs: Callable[[Op], Sequence[int]] | None = None,
         max_round_models: int | None = None,
         on_work: WorkHook | None = None,
     ):
@@ -216,7 +218,10 @@ class Scheduler:
         `round_token_budget` tokens of forward(_backward) work, a tenant's turn adds `quantum`
         (default a quarter of the budget) times its `weight_of` relative to the heaviest waiting
         tenant, `op_sizes` gives the tokens of each datum of a training op (measured once, when
-        it is submitted), and a round touches at most `max_round_models` models."""
+        it is submitted; metered), `op_costs` what fair share counts for each (default the
+        same: a datum's tokens past what the call's earlier datums share with it, so that the
+        turns of an episode run in one round and share their prefixes, see train_batches.py),
+        and a round touches at most `max_round_models` models."""
         if not isinstance(round_token_budget, int) or round_token_budget < 1:
             raise ValueError(
                 f"round_token_budget must be a positive number of tokens, got {round_token_budget!r}"
@@ -227,6 +232,7 @@ class Scheduler:
         self.max_round_models = max_round_models
         self.weight_of = weight_of
         self.op_sizes = op_sizes
+        self.op_costs = op_costs
         self.fair = DeficitRoundRobin(
             max(1, round_token_budget // 4) if quantum is None else quantum, weight_of
         )
@@ -312,7 +318,14 @@ class Scheduler:
             try:
                 # An op without datums still takes a turn (one token), to fail in its order.
                 sizes = tuple(max(1, int(n)) for n in self.op_sizes(op)) or (1,)
-                progress = _TrainProgress(sizes, self.stats.rounds)
+                costs = sizes
+                if self.op_costs is not None:
+                    costs = tuple(max(1, int(n)) for n in self.op_costs(op)) or (1,)
+                    if len(costs) != len(sizes):
+                        raise ValueError(
+                            f"op_costs gave {len(costs)} datums, op_sizes {len(sizes)}"
+                        )
+                progress = _TrainProgress(sizes, self.stats.rounds, costs)
             except Exception as exc:  # the op fails with the error; the server goes on
                 log.exception("could not measure %s %s", op.kind, op.request_id)
                 self._finish(
@@ -655,7 +668,9 @@ class Scheduler:
                 for op in run:
                     progress = self._train[op.request_id]
                     ready.setdefault(op.tenant, []).append(
-                        Work(op.request_id, model_id, progress.done, progress.sizes)
+                        Work(
+                            op.request_id, model_id, progress.done, progress.costs or progress.sizes
+                        )
                     )
                     ops[op.request_id] = op
             chunks: list[TrainChunk] = []
@@ -668,7 +683,7 @@ class Scheduler:
                         take.start,
                         take.stop,
                         len(progress.sizes),
-                        take.tokens,
+                        sum(progress.sizes[take.start : take.stop]),  # metered: every token
                         tuple(progress.outputs),
                     )
                 )

@@ -51,7 +51,7 @@ from lorafleet.server.sessions import Sessions
 from lorafleet.server.signed_urls import UrlSigner, load_or_create_secret
 from lorafleet.server.store import CheckpointRow, Store
 from lorafleet.server.tenants import Reloader, Tenancy, TenantsConfig, load_tenants_file
-from lorafleet.server.train_batches import datum_tokens
+from lorafleet.server.train_batches import datum_costs, datum_tokens
 from lorafleet.server.training import Training
 from lorafleet.server.usage import Usage
 
@@ -249,6 +249,7 @@ class Service:
             stall_s=config.engine_stall_s,
             round_token_budget=config.round_token_budget,
             op_sizes=datum_tokens,
+            op_costs=datum_costs,
             max_round_models=(
                 config.engine or EngineConfig(base_model=config.base_model)
             ).max_adapters,

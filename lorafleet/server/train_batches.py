@@ -50,6 +50,37 @@ def datum_tokens(op: Op) -> list[int]:
     return [int(d.tokens.numel()) for d in call.data]
 
 
+SHARING_WINDOW = 16
+"""How many earlier datums of a call `datum_costs` compares each datum with: the turns of an
+episode and the samples of a group come next to each other in the cookbook's and our RL job's
+batches, and a bound keeps measuring a call linear in its tokens."""
+
+
+def datum_costs(op: Op) -> list[int]:
+    """What fair share counts for each datum of a forward(_backward) op: its tokens past the
+    longest prefix it shares with one of the call's previous `SHARING_WINDOW` datums (at least
+    one). The trainer runs a shared prefix once (train/prefix_trie.py), but only among datums of
+    one round: counting raw tokens cut a multi-turn call into rounds of one or two turns each,
+    and each turn recomputed the whole history. Metering still counts every token."""
+    call: proto.ForwardBackwardCall = op.payload
+    costs: list[int] = []
+    previous: list[torch.Tensor] = []
+    for datum in call.data:
+        tokens = datum.tokens.reshape(-1)
+        shared = max((_common_prefix(tokens, other) for other in previous), default=0)
+        costs.append(max(1, int(tokens.numel()) - shared))
+        previous = [*previous[-(SHARING_WINDOW - 1) :], tokens]
+    return costs
+
+
+def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
+    n = min(int(a.numel()), int(b.numel()))
+    if n == 0:
+        return 0
+    differ = torch.nonzero(a[:n] != b[:n])
+    return int(differ[0, 0]) if differ.numel() else n
+
+
 def _user(exc: Exception, prefix: str = "", suffix: str = "") -> Result:
     return Result.error(UserError(f"{prefix}{exception_text(exc)}{suffix}"))
 

@@ -108,7 +108,7 @@ _PREFIX_CACHE_COUNTERS = {
     "missed_tokens": "Prompt tokens computed by prefills",
     "inserts": "KV blocks added to the prefix cache",
     "evictions": "KV blocks evicted from the prefix cache (byte budget, LRU)",
-    "invalidated": "KV blocks dropped because their version was published again",
+    "invalidated": "KV blocks dropped because their version was dropped or published again",
 }
 _PREFIX_CACHE_GAUGES = {
     "bytes": "Bytes of KV the prefix cache holds",

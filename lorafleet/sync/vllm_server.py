@@ -15,12 +15,14 @@ any, travels in the environment (VLLM_API_KEY), not on the command line where `p
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -104,6 +106,8 @@ class VllmServer:
         if self._stopped:
             return
         self._stopped = True
+        with _running_lock:
+            _running.pop(self.process.pid, None)
         pgid = self.process.pid  # start_new_session=True: the server leads its own group
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pgid, signal.SIGTERM)
@@ -260,6 +264,13 @@ def start_vllm_server(
         server = VllmServer(
             process, host, chosen, model_dir, served_model_name, dtype, log, api_key
         )
+        with _running_lock:
+            exiting = _exiting
+            if not exiting:
+                _running[process.pid] = server
+        if exiting:  # the exit hook ran while this one was being started
+            server.stop(grace_s=10)
+            raise VllmUnavailableError("this process is exiting; the vLLM server was stopped")
         try:
             _wait_ready(server, ready_timeout)
         except VllmUnavailableError as exc:
@@ -272,6 +283,30 @@ def start_vllm_server(
         return server
     assert last_error is not None
     raise last_error
+
+
+# Servers started here and not stopped yet. They run in their own session, so a signal to this
+# process never reaches them: an exit that skipped their owner's stop() (Ctrl-C or SIGTERM while
+# `lorafleet serve --rollout-engine vllm=spawn` is still starting them, a script that forgot
+# to stop one) would leave them running, each holding its model and KV cache, with nothing to
+# end them. The exit hook stops what is left.
+# Once it ran, no server starts any more: daemon threads (a pool's supervisor restarting a
+# replica it saw exit) still run while exit hooks do.
+_running: dict[int, VllmServer] = {}
+_running_lock = threading.Lock()
+_exiting = False
+
+
+def _stop_left_running() -> None:
+    global _exiting
+    with _running_lock:
+        _exiting = True
+        left = list(_running.values())
+    for server in left:
+        server.stop(grace_s=10.0)
+
+
+atexit.register(_stop_left_running)
 
 
 def _wait_ready(server: VllmServer, timeout: float) -> None:

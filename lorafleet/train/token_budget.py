@@ -11,12 +11,17 @@ per token of a dense decoder:
   rotated q/k) and 4 intermediate-sized ones (gate, up, the activation and the product);
 - per adapted projection input, the fp32 copy the LoRA path takes of it (kernels.py: the LoRA
   runs in fp32), for q/k/v, o, gate/up and down;
-- at the head, the logits in the base dtype and their fp32 log-softmax, per hidden row.
+- at the head, per hidden row, three fp32 vocabulary-wide tensors alive together when the
+  backward starts there (before any layer's): the log-softmax autograd saved, its gradient
+  and the logits' gradient (measured on the CPU: about 11.9 bytes per vocabulary entry in
+  bf16 and 11.4 in fp32; counting the forward's logits and log-softmax instead, 6 bytes in
+  bf16, under-counted the head by half, and with recompute, where the head dominates, the
+  whole estimate by 1.6x: a budget past free memory).
 
 With recompute (recompute.py) a layer keeps only its input, plus one layer's full activations
 while it is recomputed. The estimate is deliberately generous (no fusion credit), and the
-budget keeps `headroom` of free memory unused for the allocator's fragmentation and the
-optimizer's temporaries.
+budget fills only the `headroom` fraction of free memory, leaving the rest to the allocator's
+fragmentation and the optimizer's temporaries.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch
 
 HIDDEN_TENSORS = 6
 INTERMEDIATE_TENSORS = 4
+HEAD_FP32_TENSORS = 3
 DEFAULT_HEADROOM = 0.75
 
 
@@ -78,7 +84,7 @@ def activation_bytes_per_token(
     if dtype_bytes not in (2, 4):
         raise ValueError(f"dtype_bytes must be 2 (bf16) or 4 (fp32), got {dtype_bytes!r}")
     layer = layer_bytes_per_token(shape, dtype_bytes, lora=lora)
-    head = shape.vocab * (dtype_bytes + 4) + shape.hidden * dtype_bytes
+    head = shape.vocab * 4 * HEAD_FP32_TENSORS + shape.hidden * dtype_bytes
     if recompute:
         # Every layer's input, plus one layer recomputed at a time.
         return shape.layers * shape.hidden * dtype_bytes + layer + head

@@ -257,3 +257,54 @@ def test_a_static_routing_refilled_each_step_matches_a_fresh_one(fused):
         want = apply_lora(base.clone(), x, A, B, routing, "loop")
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         assert torch.equal(got[n:], base[n:])
+
+
+@pytest.mark.parametrize(
+    ("rank", "d_in", "d_out", "slots"),
+    [
+        (1, 20, 30, [1, 2, 1, 0, 2]),  # rank 1
+        (24, 65, 129, [2, 1, 1, 0, 2, 3, 3]),  # rank not a power of 2, widths past a block
+        (4, 16, 16, [3]),  # a single token
+        (8, 33, 17, [40, 5, 5]),  # many slots, nearly all without tokens
+    ],
+)
+def test_shapes_off_the_block_grid_and_a_strided_input(fused, rank, d_in, d_out, slots):
+    """Reviewer's shapes: tails in every dimension, one token, 63 idle slots and x a strided
+    view (every other column), values and gradients against the loop reference."""
+    num_slots = max(slots) + 1 if max(slots) >= 4 else 4
+    scales = [0.0] + [0.25 * (1 + s % 3) for s in range(1, num_slots)]
+    A, B = _bank(num_slots, rank, d_in, d_out)
+    wide = _randn(len(slots), 2 * d_in, seed=7)
+    results = {}
+    for kernel in ("triton", "loop"):
+        x = wide.clone().requires_grad_()
+        A1, B1 = A.clone().requires_grad_(), B.clone().requires_grad_()
+        base = _randn(len(slots), d_out, seed=8)
+        routing = build_routing(torch.tensor(slots), torch.tensor(scales), bank="t")
+        if kernel == "triton":
+            out = fused.add_routed_lora(base, x[:, ::2], A1, B1, routing)
+        else:
+            out = apply_lora(base, x[:, ::2], A1, B1, routing, "loop")
+        (out * _randn(*out.shape, seed=9)).sum().backward()
+        results[kernel] = [out.detach(), x.grad, A1.grad, B1.grad]
+    for got, want in zip(results["triton"], results["loop"], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_gradcheck_in_float64(fused):
+    """The kernel accumulates in fp32 whatever the inputs, so float64 gradcheck passes at
+    fp32-level tolerances: a check of the backward's formulas, not of its precision."""
+    slots = [2, 1, 0]
+    routing = build_routing(torch.tensor(slots), torch.tensor([0.0, 1.0, 0.5]), bank="t")
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    A = (0.3 * torch.randn(3, 2, 5, generator=gen, dtype=torch.float64)).requires_grad_()
+    B = (0.3 * torch.randn(3, 3, 2, generator=gen, dtype=torch.float64)).requires_grad_()
+    base = torch.randn(3, 3, generator=gen, dtype=torch.float64)
+    assert torch.autograd.gradcheck(
+        lambda x, A, B: fused.add_routed_lora(base.clone(), x, A, B, routing),
+        (x, A, B),
+        eps=1e-3,
+        atol=1e-3,
+        rtol=1e-3,
+    )

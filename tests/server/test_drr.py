@@ -310,3 +310,48 @@ def test_the_cli_default_budget_is_the_schedulers():
     assert ServerConfig("tiny-qwen3", Path("unused"), []).round_token_budget == DEFAULT_ROUND_TOKENS
     with pytest.raises(SystemExit):
         build_parser().parse_args([*args, "--round-token-budget", "0"])
+
+
+def test_datum_costs_count_only_what_earlier_datums_do_not_share():
+    import torch
+
+    from lorafleet.server.proto import ForwardBackwardCall
+    from lorafleet.server.train_batches import datum_costs, datum_tokens
+
+    history = list(range(100, 500))
+    turns = [history[: 40 + 30 * k] for k in range(10)]  # turn k+1 extends turn k
+    other = [7, *history[1:50]]  # differs at its first token: shares nothing
+    data = [
+        type("D", (), {"tokens": torch.tensor(t, dtype=torch.int64)})() for t in [*turns, other]
+    ]
+    call = ForwardBackwardCall("m", 1, "cross_entropy", None, False, data)  # type: ignore[arg-type]
+    op = Op("r", "forward_backward", "t", call, model_id="m", seq_id=1)
+    assert datum_tokens(op) == [len(t) for t in [*turns, other]]
+    assert datum_costs(op) == [40, *[30] * 9, 50]
+
+
+def test_a_multi_turn_call_runs_in_one_round_when_counted_after_sharing():
+    """Ten turns of 400-670 tokens (each the last plus 30): counted raw, a 512-token budget cut
+    them into ten rounds and no turn shared its history; counted after sharing (`op_costs`) they
+    run in one round, and the metered tokens are still every token."""
+    executor, futures = _ChunkExecutor(), _Futures()
+    sizes = [400 + 30 * k for k in range(10)]
+    costs = [400, *[30] * 9]
+    worked: list[int] = []
+    scheduler = Scheduler(
+        futures,  # type: ignore[arg-type]
+        round_token_budget=1024,
+        op_sizes=lambda op: sizes,
+        op_costs=lambda op: costs,
+        on_work=lambda kind, work, seconds, done: worked.extend(n for _, n in work),
+    )
+    scheduler.register_model("m")
+    scheduler.start(lambda: executor)
+    try:
+        scheduler.submit(_fb("E", "t", "m", 1, sizes))
+        futures.wait("E")
+    finally:
+        scheduler.stop()
+    train_rounds = [batch for kind, batch in executor.calls if kind == "train"]
+    assert train_rounds == [[("m", 0, 10)]]
+    assert worked == [sum(sizes)]

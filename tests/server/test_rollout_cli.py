@@ -53,3 +53,16 @@ def test_rl_hands_the_rollout_engine_to_its_embedded_server_only(tmp_path):
                 *("--base-url", "http://127.0.0.1:9", "--run-dir", str(tmp_path / "run")),
             ]
         )
+
+
+def test_auto_dtype_is_fp32_with_an_external_rollout_engine(capsys):
+    """At bf16's canary tolerance a stale version could pass for the new one; an explicit
+    --dtype still wins, and the embedded sampler keeps the machine's choice."""
+    args = cli.build_parser().parse_args(
+        ["serve", "--base-model", "x", "--data-dir", "d", "--rollout-engine", "vllm=spawn"]
+    )
+    rollout = cli._rollout_config(args, "serve")
+    assert cli._rollout_dtype("auto", rollout) == "float32"
+    assert "external rollout engine" in capsys.readouterr().err
+    assert cli._rollout_dtype("bfloat16", rollout) == "bfloat16"
+    assert cli._rollout_dtype("auto", None) == "auto"

@@ -144,10 +144,16 @@ class ConsoleViews:
         }
 
     def checkpoints(self, tenant: Tenant, run: str) -> list[dict[str, Any]]:
-        listed = self.s.rest.list_checkpoints(tenant, run, MAX_CHECKPOINTS, 0)["checkpoints"]
+        """The run's newest MAX_CHECKPOINTS, oldest first: a run's listing is in the order they
+        were saved, and a long run saving every few steps must keep its latest in view."""
+        first = self.s.rest.list_checkpoints(tenant, run, MAX_CHECKPOINTS, 0)
+        offset = max(0, first["cursor"]["total_count"] - MAX_CHECKPOINTS)
+        if offset:
+            first = self.s.rest.list_checkpoints(tenant, run, MAX_CHECKPOINTS, offset)
+        listed: list[dict[str, Any]] = first["checkpoints"]
         rows = {
             c.tinker_path: c
-            for c in self.s.store.list_checkpoints(tenant.id, run, MAX_CHECKPOINTS, 0)[0]
+            for c in self.s.store.list_checkpoints(tenant.id, run, MAX_CHECKPOINTS, offset)[0]
         }
         for entry in listed:
             row = rows.get(entry["tinker_path"])
