@@ -121,8 +121,9 @@ def test_a_small_step_beside_a_split_call_finishes_in_the_first_round(split_serv
 def test_a_later_chunk_that_fails_says_what_earlier_chunks_applied(split_server, base_model):
     """An importance-sampling datum whose ratio overflows fails its chunk; the call fails, and
     since its earlier chunks' gradient is already in the slot, the error says so."""
-    good = [rl_datum([1, 2, 3, 4], [5, 6, 7, 8, 9, 10], [-2.0] * 6, 1.0) for _ in range(8)]
-    bad = rl_datum([1, 2, 3, 4], [5, 6, 7, 8, 9, 10], [-200.0] * 6, 1.0)
+    # distinct first tokens: fair share counts a datum past what earlier ones share with it
+    good = [rl_datum([1 + i, 2, 3, 4], [5, 6, 7, 8, 9, 10], [-2.0] * 6, 1.0) for i in range(8)]
+    bad = rl_datum([20, 2, 3, 4], [5, 6, 7, 8, 9, 10], [-200.0] * 6, 1.0)
     sc = connect(split_server, KEY_A)
     try:
         tc = sc.create_lora_training_client(base_model=base_model, rank=4, seed=8).result()
