@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -186,6 +187,35 @@ def report(
         atomic_write_bytes(json_path, (json.dumps(result, indent=2) + "\n").encode())
         print(f"\nwrote {json_path}")
     return result
+
+
+def wait_healthy(
+    url: str,
+    process: subprocess.Popen,
+    timeout_s: float,
+    *,
+    what: str = "lorafleet serve",
+    details: Callable[[], str] = lambda: "",
+    poll_s: float = 0.25,
+) -> None:
+    """Waits until the server `process` started answers `/api/v1/healthz` with 200; raises,
+    with `details()` (e.g. its log's tail), if it exits first or is not ready in time."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(
+                f"{what} exited with {process.returncode} before it was ready\n{details()}"
+            )
+        try:
+            if httpx.get(f"{url}/api/v1/healthz", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} at {url} not ready after {timeout_s:.0f} s\n{details()}")
+        time.sleep(poll_s)
 
 
 def smollm2_shaped_config(**overrides):

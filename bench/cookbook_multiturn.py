@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 
-from bench.common import environment, fixed_dtype
+from bench.common import environment, fixed_dtype, wait_healthy
 
 RECIPE = "tinker_cookbook.recipes.multiplayer_rl.guess_number.train"
 # The project installs the cookbook with --no-deps (it pins transformers<=5.5.4), so the recipe
@@ -128,23 +128,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.timeout_s <= 0:
         parser.error(f"--timeout-s must be > 0, got {args.timeout_s}")
     return args
-
-
-def _wait_healthy(url: str, process: subprocess.Popen, log: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(
-                f"lorafleet serve exited with {process.returncode} before it was ready:\n{_tail(log)}"
-            )
-        try:
-            if httpx.get(f"{url}/api/v1/healthz", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"lorafleet serve at {url} not ready after {timeout:.0f} s")
-        time.sleep(0.25)
 
 
 def _tail(path: Path, lines: int = 40) -> str:
@@ -254,7 +237,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with serve_log.open("wb") as serve_out:
         server = subprocess.Popen(serve_cmd, stdout=serve_out, stderr=subprocess.STDOUT, env=env)
         try:
-            _wait_healthy(url, server, serve_log, timeout=600)
+            wait_healthy(url, server, 600, details=lambda: _tail(serve_log))
             recipe_env = {**env, "TINKER_BASE_URL": url, "TINKER_API_KEY": KEY}
             start = time.perf_counter()
             with recipe_log.open("wb") as recipe_out:

@@ -57,7 +57,7 @@ os.environ.setdefault("TINKER_TELEMETRY", "0")
 import httpx
 import tinker
 
-from bench.common import fixed_dtype, report
+from bench.common import fixed_dtype, report, wait_healthy
 from lorafleet.fsio import atomic_write_bytes, ensure_private_dir
 from lorafleet.rl.connect import Backend, load_tokenizer, start_backend
 from lorafleet.rl.loop import RLConfig, TenantConfig, TenantRunner
@@ -145,7 +145,15 @@ class Side:
             self.process = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
-        self._wait_healthy(self.args.startup_s)
+        assert self.process is not None
+        wait_healthy(
+            self.url,
+            self.process,
+            self.args.startup_s,
+            what=f"{self.name}: lorafleet serve (log: {self.log_path})",
+            details=self.log_tail,
+            poll_s=0.5,
+        )
         backend = start_backend(
             base_model=self.args.base_model, run_dir=self.root, keys=[KEY], base_url=self.url
         )
@@ -166,26 +174,6 @@ class Side:
         ).result()
         self.tokenizer = load_tokenizer(backend, self.tc)
         self.backend: Backend = backend
-
-    def _wait_healthy(self, timeout_s: float) -> None:
-        assert self.process is not None
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"{self.name}: lorafleet serve exited with {self.process.returncode} before "
-                    f"it was ready; its log: {self.log_path}\n{self.log_tail()}"
-                )
-            try:
-                if httpx.get(f"{self.url}/api/v1/healthz", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"{self.name}: not ready after {timeout_s:.0f} s\n{self.log_tail()}"
-                )
-            time.sleep(0.5)
 
     def log_tail(self, lines: int = 30) -> str:
         if self.log_path is None or not self.log_path.exists():

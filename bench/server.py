@@ -145,23 +145,6 @@ def client_main(base_url: str, base_model: str, tenants: int) -> None:
 # =============================================================================== driver side
 
 
-def _wait_healthy(url: str, process: subprocess.Popen, timeout: float) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode} before it was ready")
-        try:
-            if httpx.get(f"{url}/api/v1/healthz", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"server at {url} not ready after {timeout:.0f} s")
-        time.sleep(0.25)
-
-
 def setup_skyrl(venv: Path) -> None:
     """PEERS.md: torch first (the local CPU wheel), skyrl-tx without the CUDA extras, SDK 0.16.1."""
     if not (venv / "bin" / "python").exists():
@@ -218,7 +201,9 @@ class Side:
         self.server = subprocess.Popen(
             server_cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
-        _wait_healthy(url, self.server, startup_s)
+        from bench.common import wait_healthy  # driver side only (the client side has no torch)
+
+        wait_healthy(url, self.server, startup_s, what="server")
         client_env = {**env, "TINKER_TELEMETRY": "0", "TINKER_API_KEY": KEY}
         self.client = subprocess.Popen(
             [

@@ -24,7 +24,7 @@ import json
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from lorafleet.server.errors import ApiError, NotFound, ServerFault
@@ -48,6 +48,9 @@ class Result:
     content_type: str
     body: bytes
     failed: bool = False
+    # A forward(_backward)'s merged metrics beside its body, for the work hook (the console's
+    # loss points) to read without parsing the body again; never stored or sent.
+    metrics: Mapping[str, float] | None = field(default=None, compare=False, repr=False)
 
     @staticmethod
     def json(obj: object) -> Result:
@@ -56,8 +59,8 @@ class Result:
         return Result(JSON, json.dumps(obj).encode())
 
     @staticmethod
-    def proto(body: bytes) -> Result:
-        return Result(PROTOBUF, body)
+    def proto(body: bytes, metrics: Mapping[str, float] | None = None) -> Result:
+        return Result(PROTOBUF, body, metrics=metrics)
 
     @staticmethod
     def error(err: ApiError) -> Result:

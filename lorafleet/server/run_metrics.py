@@ -9,22 +9,17 @@ per call and per run before anything is written, so a runaway client cannot fill
 
 from __future__ import annotations
 
-import logging
 import math
 import re
 import threading
 import time
 from typing import Any
 
-from tinker.proto import tinker_public_pb2 as pb
-
 from lorafleet.server.auth import Tenant
 from lorafleet.server.errors import NotFound, UserError
-from lorafleet.server.futures import PROTOBUF, Result
+from lorafleet.server.futures import Result
 from lorafleet.server.scheduler import Op
 from lorafleet.server.store import Store
-
-log = logging.getLogger(__name__)
 
 SERVER_LOSS = "loss"  # the name of the server's own curve: `loss:sum` of each forward_backward
 METRIC_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_:./-]{0,63}")
@@ -65,9 +60,9 @@ class RunMetrics:
         now = time.time()
         rows: list[Row] = []
         for op, result in finished:
-            if op.kind != "forward_backward" or result.failed or result.content_type != PROTOBUF:
+            if op.kind != "forward_backward" or result.failed:
                 continue
-            loss = _loss(result.body)
+            loss = _loss(result)
             if loss is None or op.model_id is None:
                 continue
             rows.append(
@@ -160,15 +155,10 @@ class RunMetrics:
         self.flush()
 
 
-def _loss(body: bytes) -> float | None:
-    """`loss:sum` of a ForwardBackwardOutput; None if the output has none (or is not one, which
-    is a bug logged here rather than a failed step)."""
-    try:
-        out = pb.ForwardBackwardOutput.FromString(body)
-    except Exception:
-        log.exception("a forward_backward result did not parse; no loss point recorded")
-        return None
-    value = out.metrics.get("loss:sum")
+def _loss(result: Result) -> float | None:
+    """`loss:sum` of a finished forward_backward, from the metrics its result carries beside
+    the body (None: the loss has none, or is not finite)."""
+    value = None if result.metrics is None else result.metrics.get("loss:sum")
     return None if value is None or not math.isfinite(value) else float(value)
 
 

@@ -187,7 +187,8 @@ class TrainBatches:
                 [type(e).__name__ for e in chunk.earlier],
             )
             return Result.error(ServerFault("internal error while combining the call's chunks"))
-        return Result.proto(proto.forward_backward_output(logprobs, merge_metrics(metrics)))
+        merged = merge_metrics(metrics)
+        return Result.proto(proto.forward_backward_output(logprobs, merged), metrics=merged)
 
     def optim_step(self, ops: list[Op]) -> list[Result]:
         results: list[Result | None] = [None] * len(ops)
