@@ -97,7 +97,7 @@ def _environment() -> dict[str, Any]:
     import dataclasses
 
     from lorafleet.hardware import resolve_dtype
-    from lorafleet.server.executor import EngineConfig
+    from lorafleet.server.engine.executor import EngineConfig
 
     engine = next(f.default for f in dataclasses.fields(EngineConfig) if f.name == "dtype")
     served = resolve_dtype("auto")

@@ -70,7 +70,7 @@ from tinker import types
 
 from bench.common import add_dtype_option, bench_dtype, report
 from lorafleet.hardware import DtypeChoice
-from lorafleet.server.executor import EngineConfig
+from lorafleet.server.engine.executor import EngineConfig
 from lorafleet.server.main import ServerThread, free_port
 from lorafleet.server.service import ServerConfig
 

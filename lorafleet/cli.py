@@ -161,10 +161,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from lorafleet.engines import EngineConfig
-    from lorafleet.server.auth import ENV_VAR, load_keys
     from lorafleet.server.main import serve
     from lorafleet.server.service import ServerConfig
-    from lorafleet.server.tenants import TenantsFileError
+    from lorafleet.server.state.keys import ENV_VAR, load_keys
+    from lorafleet.server.state.tenants import TenantsFileError
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -197,8 +197,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         gap_timeout_s=args.gap_timeout_s,
         round_token_budget=args.round_token_budget,
     )
-    from lorafleet.server.recovery import RecoveryRefused
-    from lorafleet.server.store import StoreError
+    from lorafleet.server.state.recovery import RecoveryRefused
+    from lorafleet.server.state.store import StoreError
 
     try:
         serve(config)
@@ -224,7 +224,7 @@ def _serve_keys(
 
 def _cmd_keyhash(args: argparse.Namespace) -> int:
     """Reads keys from stdin (never from the command line, which other users can see)."""
-    from lorafleet.server.auth import hash_key, parse_keys, tenant_id
+    from lorafleet.server.state.keys import hash_key, parse_keys, tenant_id
 
     try:
         keys = parse_keys(sys.stdin.read().splitlines(), "stdin")

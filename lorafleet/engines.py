@@ -61,7 +61,7 @@ class EngineConfig:
     )
     dist: DistConfig | None = None  # sharded trainer ranks / Ray placement; None = one process
     # Host memory for training runs paged out of their slots (the warm tier); past it the least
-    # recently used go to disk (lorafleet.server.live_models). Pinned memory on an accelerator.
+    # recently used go to disk (lorafleet.server.engine.live_models). Pinned memory on an accelerator.
     warm_bytes: int = 1 << 30
     # which engine samples (lorafleet.sync.rollout_config): None or embedded = the colocated
     # sampler; vLLM/SGLang replicas sample while the colocated trainer stays the source

@@ -1,7 +1,7 @@
 """One paging policy for every bank whose slots are a cache.
 
 Two banks hold more entries than they have slots: the trainer's (training runs: hot in a slot,
-warm in host memory, cold on disk; `lorafleet.server.live_models`) and the sampler's (published
+warm in host memory, cold on disk; `lorafleet.server.engine.live_models`) and the sampler's (published
 versions: resident in a slot, or reloaded from their files; `lorafleet.sample.versions`). Both
 ask the same question when a slot is needed (which entry leaves: the least recently used one
 that nothing is using) and report the same counters, so that an operator reads one set of

@@ -44,7 +44,7 @@ class Backend:
         """The PEFT directory behind a `tinker://.../sampler_weights/...` path (embedded only)."""
         if self.data_dir is None:
             return None
-        from lorafleet.server.paths import checkpoint_dir, parse_tinker_path
+        from lorafleet.server.state.paths import checkpoint_dir, parse_tinker_path
 
         tenant = hashlib.sha256(api_key.encode("utf-8")).digest().hex()[:16]  # as server/auth.py
         return checkpoint_dir(self.data_dir, tenant, parse_tinker_path(sampler_path))

@@ -16,23 +16,23 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lorafleet.server.console import routes as console_routes
 from lorafleet.server.errors import ApiError
-from lorafleet.server.routes import (
+from lorafleet.server.http import (
     API,
-    futures,
     info,
-    openai,
-    rest,
-    run_metrics,
-    sampling,
-    sessions,
+    resource_routes,
+    retrieve,
+    run_metric_routes,
+    sampling_routes,
+    session_routes,
     stats,
-    training,
+    training_routes,
     unknown,
-    usage,
+    usage_routes,
 )
-from lorafleet.server.routes.bodies import BodyReader
-from lorafleet.server.routes.errors import install_error_handlers
-from lorafleet.server.routes.usage import METRICS_ROUTE
+from lorafleet.server.http.bodies import BodyReader
+from lorafleet.server.http.error_handlers import install_error_handlers
+from lorafleet.server.http.usage_routes import METRICS_ROUTE
+from lorafleet.server.openai import routes as openai_routes
 from lorafleet.server.service import Service
 
 PUBLIC_PATHS = frozenset({f"{API}/healthz"})
@@ -68,7 +68,7 @@ class KeyGate:
             key = next(
                 (v.decode("latin-1") for k, v in scope["headers"] if k == b"x-api-key"), None
             )
-            openai_path = scope["path"].startswith(f"{openai.V1}/")
+            openai_path = scope["path"].startswith(f"{openai_routes.V1}/")
             if key is None and (scope["path"] == METRICS_ROUTE or openai_path):
                 # what a Prometheus scrape config and the openai package send (`authorization`)
                 key = _bearer(scope)
@@ -76,7 +76,7 @@ class KeyGate:
                 who = self.service.authenticate(key)
             except ApiError as exc:
                 reply = (
-                    openai.error_response(exc)
+                    openai_routes.error_response(exc)
                     if openai_path
                     else JSONResponse(exc.body(), status_code=exc.status)
                 )
@@ -105,15 +105,15 @@ def create_app(service: Service) -> FastAPI:
     bodies = BodyReader(config.max_body_bytes, config.max_json_bytes, config.body_timeout_s)
     info.add_routes(app, service.served, health=service.health)
     stats.add_routes(app, service.stats)
-    sessions.add_routes(app, service.sessions, bodies)
-    training.add_routes(app, service.training, bodies)
-    sampling.add_routes(app, service.sampling, bodies)
-    futures.add_routes(app, service.retrieve, bodies)
-    rest.add_routes(app, service.rest, bodies)
-    usage.add_routes(app, service.usage)  # /api/v1/lorafleet/usage, and /metrics (operators)
-    run_metrics.add_routes(app, service.run_metrics, bodies)  # a client's curves (console)
+    session_routes.add_routes(app, service.sessions, bodies)
+    training_routes.add_routes(app, service.training, bodies)
+    sampling_routes.add_routes(app, service.sampling, bodies)
+    retrieve.add_routes(app, service.retrieve, bodies)
+    resource_routes.add_routes(app, service.rest, bodies)
+    usage_routes.add_routes(app, service.usage)  # /api/v1/lorafleet/usage, and /metrics (operators)
+    run_metric_routes.add_routes(app, service.run_metrics, bodies)  # a client's curves (console)
     console_routes.add_routes(app, service.console)  # /console: cookie sessions, not keys
-    openai.add_routes(app, service.completions, service.aliases, bodies)  # /v1: OpenAI's API
+    openai_routes.add_routes(app, service.completions, service.aliases, bodies)  # /v1: OpenAI's API
     # LAST: the catch-all for POSTs to paths no route above serves
     unknown.add_routes(app, service.intake, bodies)
     return app

@@ -4,7 +4,7 @@ process left (recovery), start the engine worker, run periodic maintenance, clos
 Everything here but the lifecycle is one module per idea, and `Service` only builds and holds
 them: ownership.py (tenant-scoped lookups), requests.py (request parsing into payloads.py's
 types), intake.py (seq_id dedup and enqueueing), sessions.py, training.py and sampling.py (the
-Tinker operations), rest.py and views.py (the REST resources and their JSON). None of them
+Tinker operations), rest.py and resource_json.py (the REST resources and their JSON). None of them
 touches torch; engine work reaches the worker thread through the scheduler, as `Op`s whose
 payloads are already parsed, or as `EngineCalls`.
 """
@@ -26,34 +26,36 @@ from typing import Any
 from lorafleet.engines import EngineConfig
 from lorafleet.fsio import ensure_private_dir
 from lorafleet.model.hub_cache import publish_tokenizer, tokenizer_name
-from lorafleet.server import health, recovery, schemas, views
-from lorafleet.server.admission import Admission
-from lorafleet.server.aliases import Aliases
-from lorafleet.server.auth import Tenant
 from lorafleet.server.console import Sources, build_console
-from lorafleet.server.disk import DiskGuard
-from lorafleet.server.engine_calls import EngineCalls
-from lorafleet.server.executor import Executor
-from lorafleet.server.futures import JSON, FutureTable, Result
-from lorafleet.server.intake import Intake
-from lorafleet.server.metering import Metering
+from lorafleet.server.engine.executor import Executor
+from lorafleet.server.engine.train_batches import datum_costs, datum_tokens
+from lorafleet.server.http import resource_json, schemas
+from lorafleet.server.http.aliases import Aliases
+from lorafleet.server.http.resources import Rest
+from lorafleet.server.http.sampling import Sampling
+from lorafleet.server.http.served import RequestLimits, ServedBase
+from lorafleet.server.http.sessions import Sessions
+from lorafleet.server.http.signed_urls import UrlSigner, load_or_create_secret
+from lorafleet.server.http.training import Training
+from lorafleet.server.http.usage import Usage
 from lorafleet.server.openai.models import Models
 from lorafleet.server.openai.service import Completions
 from lorafleet.server.openai.text import Text
-from lorafleet.server.ownership import Ownership
-from lorafleet.server.quotas import Quotas
-from lorafleet.server.rest import Rest
-from lorafleet.server.run_metrics import RunMetrics
-from lorafleet.server.sampling import Sampling
-from lorafleet.server.scheduler import DEFAULT_ROUND_TOKENS, Op, Scheduler
-from lorafleet.server.served import RequestLimits, ServedBase
-from lorafleet.server.sessions import Sessions
-from lorafleet.server.signed_urls import UrlSigner, load_or_create_secret
-from lorafleet.server.store import CheckpointRow, Store
-from lorafleet.server.tenants import Reloader, Tenancy, TenantsConfig, load_tenants_file
-from lorafleet.server.train_batches import datum_costs, datum_tokens
-from lorafleet.server.training import Training
-from lorafleet.server.usage import Usage
+from lorafleet.server.ops import health
+from lorafleet.server.ops.admission import Admission
+from lorafleet.server.ops.engine_calls import EngineCalls
+from lorafleet.server.ops.futures import JSON, FutureTable, Result
+from lorafleet.server.ops.intake import Intake
+from lorafleet.server.ops.metering import Metering
+from lorafleet.server.ops.quotas import Quotas
+from lorafleet.server.ops.run_metrics import RunMetrics
+from lorafleet.server.ops.scheduler import DEFAULT_ROUND_TOKENS, Op, Scheduler
+from lorafleet.server.state import recovery
+from lorafleet.server.state.disk import DiskGuard
+from lorafleet.server.state.keys import Tenant
+from lorafleet.server.state.ownership import Ownership
+from lorafleet.server.state.store import CheckpointRow, Store
+from lorafleet.server.state.tenants import Reloader, Tenancy, TenantsConfig, load_tenants_file
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +171,7 @@ def request_limits(config: ServerConfig) -> RequestLimits:
         max_topk_logprobs=config.max_topk_logprobs,
         max_metadata_keys=schemas.MAX_METADATA_KEYS,
         max_metadata_bytes=schemas.MAX_METADATA_BYTES,
-        max_page=views.MAX_PAGE,
+        max_page=resource_json.MAX_PAGE,
         max_json_bytes=config.max_json_bytes,
         max_body_bytes=config.max_body_bytes,
     )

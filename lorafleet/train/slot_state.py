@@ -1,6 +1,6 @@
 """A training run's whole state off the bank, so that its slot can hold another run meanwhile.
 
-A server with more runs than trainer slots pages them (`lorafleet.server.live_models`): a run
+A server with more runs than trainer slots pages them (`lorafleet.server.engine.live_models`): a run
 that leaves its slot must come back to exactly where it was, bit for bit, so this is the
 slot's full picture, not a checkpoint's: the weights row, the optimizer family with its moment
 rows and step count, the last hyper-parameters, and the gradient accumulated by

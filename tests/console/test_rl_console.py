@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 
 from lorafleet.rl.loop import run_rl
-from lorafleet.server.store import Store
+from lorafleet.server.state.store import Store
 from tests.rl.test_rl_fast import config, short_env, tenants  # noqa: F401 - short_env: autouse
 
 

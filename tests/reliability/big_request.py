@@ -29,8 +29,8 @@ import httpx
 import tinker
 from tinker import types
 
+from lorafleet.server.http.parse import SEQUENCE_BYTES, TOKEN_BYTES, TOPK_ENTRY_BYTES
 from lorafleet.server.main import free_port
-from lorafleet.server.requests import SEQUENCE_BYTES, TOKEN_BYTES, TOPK_ENTRY_BYTES
 from tests.reliability.harness import BASE_MODEL, REPO, server_config, tenant_keys
 
 PROMPT = [1, 2, 3, 4]

@@ -4,7 +4,7 @@ it again on the same data directory and port, and check what a user would rely o
 
 Where to kill is chosen by a seeded RNG per cycle: the operation (each in turn, shuffled), the
 how (`pause_begin`: the engine is stopped just before the work, via the test-only crash points
-of lorafleet/server/faults.py; `pause_end`: just after the work, before its result or database
+of lorafleet/server/engine/faults.py; `pause_end`: just after the work, before its result or database
 row is recorded; `delay`: the engine runs on and the kill lands a random 0-30 ms after the
 operation began, often in the middle of writing files), and which occurrence (1st-3rd).
 
@@ -134,7 +134,7 @@ def probe_sample(sampler: Any) -> bytes:
 
 
 class FaultWatch:
-    """Follows the server's crash-point log (lorafleet/server/faults.py)."""
+    """Follows the server's crash-point log (lorafleet/server/engine/faults.py)."""
 
     def __init__(self, path: Path):
         self.path = path

@@ -7,7 +7,7 @@ Two modes, recorded in the report:
   a tmpfs of `size_mb`, so the disk really fills: ENOSPC in the checkpoint writer, SQLite's
   "database or disk is full";
 - `injected`: where such a mount is not permitted, the server's disk-full test hook
-  (`LORAFLEET_FAULT_DISK_FULL`, lorafleet/server/disk.py) reports the disk full instead; the
+  (`LORAFLEET_FAULT_DISK_FULL`, lorafleet/server/state/disk.py) reports the disk full instead; the
   same client-side checks run, but no real write fails.
 
 One tenant saves training states (`save_state`, the optimizer with them) until the server says

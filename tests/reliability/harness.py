@@ -29,12 +29,12 @@ import httpx
 
 from lorafleet.adapters.checkpoint import CheckpointError, read_training_state
 from lorafleet.adapters.peft_io import read_peft
-from lorafleet.server.executor import EPHEMERAL_DIR, EngineConfig
-from lorafleet.server.faults import FILE_ENV
+from lorafleet.server.engine.executor import EPHEMERAL_DIR, EngineConfig
+from lorafleet.server.engine.faults import FILE_ENV
 from lorafleet.server.main import ServerThread, free_port
-from lorafleet.server.paths import checkpoint_dir, parse_tinker_path
-from lorafleet.server.recovery import TENANTS_DIR
 from lorafleet.server.service import ServerConfig
+from lorafleet.server.state.paths import checkpoint_dir, parse_tinker_path
+from lorafleet.server.state.recovery import TENANTS_DIR
 
 BASE_MODEL = "tiny-qwen3"
 VOCAB = 512  # tiny-qwen3's tokenizer

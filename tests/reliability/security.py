@@ -98,7 +98,7 @@ def routes_of(server: ServerThread) -> list[tuple[str, str]]:
 
 
 def _states_only(body: object) -> bool:
-    """/healthz may say how the engine and the disk are, and nothing else (lorafleet/server/health.py)."""
+    """/healthz may say how the engine and the disk are, and nothing else (lorafleet/server/ops/health.py)."""
     allowed = {"status": {"ok", "degraded"}, "engine": {"ok"}, "disk": {"ok", "full"}}
     return (
         isinstance(body, dict)

@@ -9,12 +9,14 @@ import time
 import pytest
 import zstandard
 
-from lorafleet.server import faults, recovery, schemas
+from lorafleet.server.engine import faults
 from lorafleet.server.errors import UserError
-from lorafleet.server.futures import FutureTable
-from lorafleet.server.requests import unzstd
-from lorafleet.server.scheduler import MAX_SEQ_AHEAD, Op, Scheduler
-from lorafleet.server.store import CheckpointRow, Store
+from lorafleet.server.http import schemas
+from lorafleet.server.http.parse import unzstd
+from lorafleet.server.ops.futures import FutureTable
+from lorafleet.server.ops.scheduler import MAX_SEQ_AHEAD, Op, Scheduler
+from lorafleet.server.state import recovery
+from lorafleet.server.state.store import CheckpointRow, Store
 
 
 def _row(path: str, directory) -> CheckpointRow:
@@ -175,7 +177,7 @@ def test_a_sparse_tensor_cannot_declare_gigabytes():
     import numpy as np
     from tinker.proto import tinker_public_pb2 as pb
 
-    from lorafleet.server import proto
+    from lorafleet.server.http import proto
 
     msg = pb.ForwardBackwardRequest(model_id="m", seq_id=1, loss_fn="cross_entropy")
     datum = msg.data.add()

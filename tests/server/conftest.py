@@ -16,7 +16,7 @@ import pytest
 import tinker
 from tinker import types
 
-from lorafleet.server.executor import EngineConfig
+from lorafleet.server.engine.executor import EngineConfig
 from lorafleet.server.main import ServerThread, free_port
 from lorafleet.server.service import ServerConfig
 

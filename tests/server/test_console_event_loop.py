@@ -11,12 +11,12 @@ from typing import Any, cast
 import httpx
 from fastapi import FastAPI
 
-from lorafleet.server.auth import Tenant, hash_key
 from lorafleet.server.console.routes import CONSOLE_API, Console, add_routes
 from lorafleet.server.console.sessions import ConsoleSessions
 from lorafleet.server.console.sse import EventStreams
 from lorafleet.server.errors import NotFound
-from lorafleet.server.tenants import Tenancy, TenantsConfig, TenantSpec
+from lorafleet.server.state.keys import Tenant, hash_key
+from lorafleet.server.state.tenants import Tenancy, TenantsConfig, TenantSpec
 
 KEY = "tml-console-loop-0123456789"
 

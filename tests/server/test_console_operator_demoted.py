@@ -11,12 +11,12 @@ from typing import Any, cast
 
 from starlette.requests import Request
 
-from lorafleet.server.auth import hash_key
 from lorafleet.server.console.routes import _snapshot
 from lorafleet.server.console.sessions import ConsoleSessions
 from lorafleet.server.console.sse import EventStreams
 from lorafleet.server.console.views import ConsoleViews
-from lorafleet.server.tenants import Tenancy, TenantsConfig, TenantSpec
+from lorafleet.server.state.keys import hash_key
+from lorafleet.server.state.tenants import Tenancy, TenantsConfig, TenantSpec
 
 KEY = "tml-console-operator-0123456789"
 

@@ -9,10 +9,10 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
-from lorafleet.server.auth import Tenant, hash_key
 from lorafleet.server.console.views import ConsoleViews
-from lorafleet.server.store import ModelRow, Store
-from lorafleet.server.tenants import Tenancy, TenantsConfig, TenantSpec
+from lorafleet.server.state.keys import Tenant, hash_key
+from lorafleet.server.state.store import ModelRow, Store
+from lorafleet.server.state.tenants import Tenancy, TenantsConfig, TenantSpec
 
 
 def _canary(version: str) -> dict[str, Any]:

@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from lorafleet.server.auth import hash_key
 from lorafleet.server.console.sessions import ConsoleSessions
 from lorafleet.server.console.sse import EventStreams, TooManyStreams
 from lorafleet.server.errors import Unauthorized
-from lorafleet.server.tenants import Tenancy, TenantsConfig, TenantSpec
+from lorafleet.server.state.keys import hash_key
+from lorafleet.server.state.tenants import Tenancy, TenantsConfig, TenantSpec
 
 KEY = "tml-console-key-0123456789"
 OTHER = "tml-console-other-012345678"

@@ -8,10 +8,10 @@ import asyncio
 
 import pytest
 
-from lorafleet.server.auth import hash_key
 from lorafleet.server.console.sessions import ConsoleSessions
 from lorafleet.server.console.sse import EventStreams, TooManyStreams
-from lorafleet.server.tenants import Tenancy, TenantsConfig, TenantSpec
+from lorafleet.server.state.keys import hash_key
+from lorafleet.server.state.tenants import Tenancy, TenantsConfig, TenantSpec
 
 GREEDY = "tml-console-greedy-0123456789"
 OTHER = "tml-console-other-0123456789"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import tinker
 
-from lorafleet.server.schemas import MAX_LABEL_CHARS
+from lorafleet.server.http.schemas import MAX_LABEL_CHARS
 from tests.server.conftest import KEY_A, sl_datum
 
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from lorafleet import cli
-from lorafleet.server import recovery
 from lorafleet.server.main import ServerThread
-from lorafleet.server.recovery import MAX_UNASKED_DELETES, RecoveryRefused
-from lorafleet.server.store import SCHEMA_VERSION, CheckpointRow, Store, StoreError
+from lorafleet.server.state import recovery
+from lorafleet.server.state.recovery import MAX_UNASKED_DELETES, RecoveryRefused
+from lorafleet.server.state.store import SCHEMA_VERSION, CheckpointRow, Store, StoreError
 from tests.server.conftest import server_config
 
 # the checkpoints table and meta as schema 1 created them

@@ -9,12 +9,12 @@ from __future__ import annotations
 import asyncio
 import time
 
-from lorafleet.server import disk
-from lorafleet.server.auth import Tenant
-from lorafleet.server.futures import FULL_DISK_STORE_BYTES, FutureTable, Result
-from lorafleet.server.ownership import Ownership
-from lorafleet.server.sessions import Sessions
-from lorafleet.server.store import ModelRow, Store
+from lorafleet.server.http.sessions import Sessions
+from lorafleet.server.ops.futures import FULL_DISK_STORE_BYTES, FutureTable, Result
+from lorafleet.server.state import disk
+from lorafleet.server.state.keys import Tenant
+from lorafleet.server.state.ownership import Ownership
+from lorafleet.server.state.store import ModelRow, Store
 
 
 def test_big_results_are_kept_out_of_sqlite_while_the_disk_is_full(tmp_path):
@@ -43,11 +43,11 @@ _DELETE_ON_FULL_DISK = r"""
 import json, sys
 from pathlib import Path
 from types import SimpleNamespace
-from lorafleet.server.checkpoint_files import CheckpointFiles
-from lorafleet.server.disk import DiskGuard
+from lorafleet.server.engine.checkpoint_files import CheckpointFiles
+from lorafleet.server.state.disk import DiskGuard
 from lorafleet.server.errors import DiskFull
-from lorafleet.server.paths import TENANTS_DIR
-from lorafleet.server.store import CheckpointRow, Store
+from lorafleet.server.state.paths import TENANTS_DIR
+from lorafleet.server.state.store import CheckpointRow, Store
 
 root = Path(sys.argv[1])
 guard = DiskGuard(root, 1 << 20)

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from lorafleet.server.fair_share import DeficitRoundRobin, Work
-from lorafleet.server.futures import Result
-from lorafleet.server.scheduler import Op, Partial, Scheduler, TrainChunk
+from lorafleet.server.ops.fair_share import DeficitRoundRobin, Work
+from lorafleet.server.ops.futures import Result
+from lorafleet.server.ops.scheduler import Op, Partial, Scheduler, TrainChunk
 
 
 def _rounds(drr, work: dict[str, list[Work]], budget: int, rounds: int, max_models=None):
@@ -302,7 +302,7 @@ def test_state_reports_queues_deficits_and_rounds():
 
 def test_the_cli_default_budget_is_the_schedulers():
     from lorafleet.cli import build_parser
-    from lorafleet.server.scheduler import DEFAULT_ROUND_TOKENS
+    from lorafleet.server.ops.scheduler import DEFAULT_ROUND_TOKENS
     from lorafleet.server.service import ServerConfig
 
     args = ["serve", "--base-model", "tiny-qwen3", "--data-dir", "unused"]
@@ -315,8 +315,8 @@ def test_the_cli_default_budget_is_the_schedulers():
 def test_datum_costs_count_only_what_earlier_datums_do_not_share():
     import torch
 
-    from lorafleet.server.proto import ForwardBackwardCall
-    from lorafleet.server.train_batches import datum_costs, datum_tokens
+    from lorafleet.server.engine.train_batches import datum_costs, datum_tokens
+    from lorafleet.server.ops.payloads import ForwardBackwardCall
 
     history = list(range(100, 500))
     turns = [history[: 40 + 30 * k] for k in range(10)]  # turn k+1 extends turn k

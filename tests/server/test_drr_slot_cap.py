@@ -5,7 +5,7 @@ out 0.083 / 0.25 / 0.667 instead of 1/7, 2/7, 4/7 (measured through the SDK the 
 
 from __future__ import annotations
 
-from lorafleet.server.fair_share import DeficitRoundRobin, Work
+from lorafleet.server.ops.fair_share import DeficitRoundRobin, Work
 from tests.server.test_drr import _rounds, _served
 
 

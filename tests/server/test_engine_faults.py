@@ -4,7 +4,7 @@ engine is reported, not hidden; finished results are bounded by bytes in memory 
 
 The scheduler tests drive a real `FutureTable` over a real `Store` with a stand-in executor (the
 engine is not what fails here); the client-visible ones go through the `tinker` SDK against the
-shared server, with the disk-full test hook of lorafleet/server/disk.py."""
+shared server, with the disk-full test hook of lorafleet/server/state/disk.py."""
 
 from __future__ import annotations
 
@@ -21,12 +21,13 @@ import httpx
 import pytest
 import tinker
 
-from lorafleet.server import disk, health
-from lorafleet.server.disk import DiskGuard
 from lorafleet.server.errors import NotFound
-from lorafleet.server.futures import PROBLEM_LOST, FutureTable, Result
-from lorafleet.server.scheduler import ENGINE_DEAD, Op, PendingSample, Scheduler, TrainChunk
-from lorafleet.server.store import Store
+from lorafleet.server.ops import health
+from lorafleet.server.ops.futures import PROBLEM_LOST, FutureTable, Result
+from lorafleet.server.ops.scheduler import ENGINE_DEAD, Op, PendingSample, Scheduler, TrainChunk
+from lorafleet.server.state import disk
+from lorafleet.server.state.disk import DiskGuard
+from lorafleet.server.state.store import Store
 from tests.server.conftest import KEY_B, connect, sl_datum
 
 TENANT = "t"
@@ -330,9 +331,9 @@ def test_a_full_disk_fails_saves_with_a_clear_error_and_recovers_without_a_resta
 _FULL_DISK_SCRIPT = r"""
 import json, os, sys
 from pathlib import Path
-from lorafleet.server.disk import DiskGuard
+from lorafleet.server.state.disk import DiskGuard
 from lorafleet.server.errors import DiskFull
-from lorafleet.server.store import Store
+from lorafleet.server.state.store import Store
 
 root = Path(sys.argv[1])
 guard = DiskGuard(root, 1 << 20)  # capped at 1/16 of the 2 MiB filesystem

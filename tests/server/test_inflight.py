@@ -11,8 +11,8 @@ import pytest
 import tinker
 from tinker import types
 
-from lorafleet.server import requests, schemas
 from lorafleet.server.errors import UserError
+from lorafleet.server.http import parse, schemas
 from tests.server.conftest import sl_datum
 
 PROMPT = types.ModelInput.from_ints([5, 6, 7, 8, 9, 10, 11, 12])
@@ -59,9 +59,9 @@ def test_inflight_clients_follow_the_newest_inflight_save(
 def test_a_named_sampler_checkpoint_cannot_be_inflight() -> None:
     body = {"model_id": "m", "seq_id": 1, "path": "final", "kind": "inflight"}
     with pytest.raises(UserError, match="kind 'inflight' is for save_weights_and_get_sampling"):
-        requests.save_sampler_args(schemas.parse(schemas.SaveWeightsForSampler, body))
+        parse.save_sampler_args(schemas.parse(schemas.SaveWeightsForSampler, body))
     with pytest.raises(UserError, match="kind must be 'snapshot' or 'inflight', got 'live'"):
-        requests.save_sampler_args(
+        parse.save_sampler_args(
             schemas.parse(
                 schemas.SaveWeightsForSampler,
                 {"model_id": "m", "seq_id": 1, "sampling_session_seq_id": 0, "kind": "live"},

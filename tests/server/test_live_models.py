@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from lorafleet.model.banks import AdapterSpec
+from lorafleet.server.engine.live_models import LiveModels
 from lorafleet.server.errors import ServerFault, UserError
-from lorafleet.server.live_models import LiveModels
-from lorafleet.server.scheduler import Op, Scheduler
-from lorafleet.server.store import ModelRow
+from lorafleet.server.ops.scheduler import Op, Scheduler
+from lorafleet.server.state.store import ModelRow
 from tests.train.test_engine import make_engine
 
 

@@ -16,8 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from tinker import types
 
 from lorafleet.server.main import ServerThread
-from lorafleet.server.metering import COUNTERS, utc_day
-from lorafleet.server.store import SCHEMA_VERSION, Store
+from lorafleet.server.ops.metering import COUNTERS, utc_day
+from lorafleet.server.state.store import SCHEMA_VERSION, Store
 from tests.server.conftest import KEY_A, KEY_B, sl_datum
 from tests.server.tenant_files import tenants_server_config, write_tenants
 

@@ -18,11 +18,11 @@ import pytest
 import tinker
 from tinker import types
 
-from lorafleet.server.auth import hash_key, tenant_id
 from lorafleet.server.main import ServerThread
 from lorafleet.server.openai.errors import OpenAIError
 from lorafleet.server.openai.service import Completions, StreamHook
 from lorafleet.server.openai.text import Text
+from lorafleet.server.state.keys import hash_key, tenant_id
 from tests.server.conftest import KEY_A, KEY_B, connect, trained
 
 PROMPT = [5, 17, 33, 60, 91, 120, 200, 7, 44]

@@ -17,7 +17,7 @@ from tinker import types
 
 from lorafleet.adapters.checkpoint import read_training_state
 from lorafleet.server.main import ServerThread
-from lorafleet.server.paths import run_dir_name
+from lorafleet.server.state.paths import run_dir_name
 from tests.server.conftest import KEY_A, KEY_B, connect, server_config, sl_datum
 
 SLOTS = 2

@@ -13,7 +13,7 @@ from tinker import types
 
 from lorafleet.sample.validate import MAX_PROMPT_SCORES
 from lorafleet.server.errors import UserError
-from lorafleet.server.prompt_targets import parse_targets
+from lorafleet.server.http.prompt_targets import parse_targets
 from tests.server.conftest import VOCAB, sl_datum
 
 PROMPT = [11, 40, 7, 300, 21, 5, 90, 17, 250, 3, 64, 8]

@@ -12,8 +12,8 @@ import pytest
 import tinker
 from tinker import types
 
-from lorafleet.server.admission import Admission, QueueFull
 from lorafleet.server.main import ServerThread
+from lorafleet.server.ops.admission import Admission, QueueFull
 from tests.server.conftest import KEY_A, KEY_B, server_config, sl_datum, wait_pending
 
 BOUND = 2

@@ -9,9 +9,9 @@ import time
 from typing import cast
 
 from lorafleet.model.banks import AdapterSpec
-from lorafleet.server.live_models import LiveModels
-from lorafleet.server.metering import Metering
-from lorafleet.server.store import Store
+from lorafleet.server.engine.live_models import LiveModels
+from lorafleet.server.ops.metering import Metering
+from lorafleet.server.state.store import Store
 from tests.server.test_live_models import _Rows
 from tests.train.test_engine import make_engine
 

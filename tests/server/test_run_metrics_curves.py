@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lorafleet.server.run_metrics import MAX_CURVE_POINTS, RunMetrics
-from lorafleet.server.store import Store
+from lorafleet.server.ops.run_metrics import MAX_CURVE_POINTS, RunMetrics
+from lorafleet.server.state.store import Store
 
 
 def test_a_long_curve_leaves_the_others_whole_and_is_thinned(tmp_path: Path):

@@ -11,9 +11,9 @@ from typing import Any, cast
 import httpx
 from fastapi import FastAPI, Request
 
-from lorafleet.server.auth import Tenant
-from lorafleet.server.routes import run_metrics as route
-from lorafleet.server.routes.bodies import BodyReader
+from lorafleet.server.http import run_metric_routes as route
+from lorafleet.server.http.bodies import BodyReader
+from lorafleet.server.state.keys import Tenant
 
 
 class SlowMetrics:

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from lorafleet.server.auth import Tenant
 from lorafleet.server.errors import UserError
-from lorafleet.server.run_metrics import RunMetrics
-from lorafleet.server.store import ModelRow, Store
+from lorafleet.server.ops.run_metrics import RunMetrics
+from lorafleet.server.state.keys import Tenant
+from lorafleet.server.state.store import ModelRow, Store
 
 
 def _metrics(tmp_path: Path) -> RunMetrics:

@@ -8,8 +8,8 @@ import threading
 import time
 from concurrent.futures import Future
 
-from lorafleet.server.futures import Result
-from lorafleet.server.scheduler import Op, PendingSample, Scheduler
+from lorafleet.server.ops.futures import Result
+from lorafleet.server.ops.scheduler import Op, PendingSample, Scheduler
 
 
 class _StepExecutor:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from lorafleet.server.service import Service
-from lorafleet.server.tenants import TenantsFileError
+from lorafleet.server.state.tenants import TenantsFileError
 from tests.server.tenant_files import tenants_server_config
 
 

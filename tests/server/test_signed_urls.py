@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from lorafleet.server.signed_urls import (
+from lorafleet.server.http.signed_urls import (
     SECRET_BYTES,
     SECRET_FILE,
     Forbidden,

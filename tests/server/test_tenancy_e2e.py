@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from tinker import types
 
 from lorafleet.server.main import ServerThread, free_port
-from lorafleet.server.paths import checkpoint_dir, parse_tinker_path
+from lorafleet.server.state.paths import checkpoint_dir, parse_tinker_path
 from tests.server.conftest import KEY_A, server_config, sl_datum, wait_pending
 
 CLIENTS = 12

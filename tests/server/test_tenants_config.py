@@ -19,10 +19,10 @@ import pytest
 import tinker
 from tinker import types
 
-from lorafleet.server.auth import hash_key, tenant_id
 from lorafleet.server.errors import Unauthorized
 from lorafleet.server.main import ServerThread, free_port
-from lorafleet.server.tenants import Quotas, Tenancy, TenantsFileError, parse_tenants
+from lorafleet.server.state.keys import hash_key, tenant_id
+from lorafleet.server.state.tenants import Quotas, Tenancy, TenantsFileError, parse_tenants
 from tests.server.conftest import KEY_A, KEY_B, sl_datum, wait_pending
 from tests.server.tenant_files import (
     key_hash,

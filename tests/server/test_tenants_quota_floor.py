@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from lorafleet.server.tenants import TenantsFileError, parse_tenants
+from lorafleet.server.state.tenants import TenantsFileError, parse_tenants
 from tests.server.tenant_files import key_hash
 
 

@@ -11,13 +11,14 @@ from tinker.proto import response_conv
 from tinker.proto import tinker_public_pb2 as pb
 
 from lorafleet.sample.types import SampledSequence, SampleResult
-from lorafleet.server import proto
-from lorafleet.server.auth import KeyRing, load_keys, parse_keys
+from lorafleet.server.engine import responses
 from lorafleet.server.errors import Unauthorized, UserError
-from lorafleet.server.futures import Result
-from lorafleet.server.paths import parse_tinker_path, run_dir_name
-from lorafleet.server.retention import EphemeralRetention
-from lorafleet.server.scheduler import Op, Scheduler
+from lorafleet.server.http import proto
+from lorafleet.server.ops.futures import Result
+from lorafleet.server.ops.scheduler import Op, Scheduler
+from lorafleet.server.state.keys import KeyRing, load_keys, parse_keys
+from lorafleet.server.state.paths import parse_tinker_path, run_dir_name
+from lorafleet.server.state.retention import EphemeralRetention
 
 
 def _request(**tensors: pb.Tensor) -> pb.ForwardBackwardRequest:
@@ -97,7 +98,7 @@ def test_outputs_decode_with_the_sdk():
         torch.tensor([-3.0]),
         torch.tensor([[-1.0, -4.0], [-2.0, -5.0]]),
     ]
-    body = proto.forward_backward_output(logprobs, {"loss:sum": 3.0})
+    body = responses.forward_backward_output(logprobs, {"loss:sum": 3.0})
     out = response_conv.deserialize_forward_backward_output(body)
     assert out.metrics == {"loss:sum": 3.0}
     assert [o["logprobs"].shape for o in out.loss_fn_outputs] == [[2], [1], [2, 2]]
@@ -117,7 +118,7 @@ def test_outputs_decode_with_the_sdk():
         prompt_logprobs=[None, -1.0, -2.0],
         topk_prompt_logprobs=[None, [(1, -1.0)], [(2, -2.0)]],
     )
-    body = proto.sample_response(
+    body = responses.sample_response(
         result, prompt_logprobs=True, topk_prompt=2, topk_sample=2, last_n=1
     )
     response = response_conv.deserialize_sample_response(body)

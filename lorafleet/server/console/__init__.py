@@ -10,7 +10,7 @@ from lorafleet.server.console.routes import Console
 from lorafleet.server.console.sessions import ConsoleSessions
 from lorafleet.server.console.sse import EventStreams
 from lorafleet.server.console.views import ConsoleViews, Sources
-from lorafleet.server.tenants import Tenancy
+from lorafleet.server.state.tenants import Tenancy
 
 
 def build_console(

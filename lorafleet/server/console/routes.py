@@ -27,12 +27,12 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from lorafleet.server.auth import Tenant
 from lorafleet.server.console.sessions import COOKIE, CSRF_HEADER, ConsoleSession, ConsoleSessions
 from lorafleet.server.console.sse import EventStreams
 from lorafleet.server.console.views import ConsoleViews
 from lorafleet.server.errors import Unauthorized, UserError
-from lorafleet.server.run_metrics import MAX_STEP
+from lorafleet.server.ops.run_metrics import MAX_STEP
+from lorafleet.server.state.keys import Tenant
 
 CONSOLE = "/console"
 CONSOLE_API = f"{CONSOLE}/api"

@@ -16,9 +16,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lorafleet.server.auth import Tenant, hash_key
 from lorafleet.server.errors import Unauthorized
-from lorafleet.server.tenants import TenantsConfig
+from lorafleet.server.state.keys import Tenant, hash_key
+from lorafleet.server.state.tenants import TenantsConfig
 
 COOKIE = "lorafleet_console"
 CSRF_HEADER = "x-csrf-token"

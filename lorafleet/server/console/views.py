@@ -16,14 +16,14 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from lorafleet.server.auth import Tenant
 from lorafleet.server.errors import NotFound, UserError
-from lorafleet.server.paths import parse_tinker_path
-from lorafleet.server.rest import Rest
-from lorafleet.server.run_metrics import RunMetrics
-from lorafleet.server.store import Store
-from lorafleet.server.tenants import Tenancy
-from lorafleet.server.usage import ALL_TENANTS, Usage
+from lorafleet.server.http.resources import Rest
+from lorafleet.server.http.usage import ALL_TENANTS, Usage
+from lorafleet.server.ops.run_metrics import RunMetrics
+from lorafleet.server.state.keys import Tenant
+from lorafleet.server.state.paths import parse_tinker_path
+from lorafleet.server.state.store import Store
+from lorafleet.server.state.tenants import Tenancy
 
 MAX_RUNS = 200  # the newest runs a tenant's page lists
 MAX_CHECKPOINTS = 1000

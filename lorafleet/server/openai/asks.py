@@ -12,9 +12,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from lorafleet.server.http.served import RequestLimits
 from lorafleet.server.openai.errors import OpenAIError, unsupported
 from lorafleet.server.openai.text import Text
-from lorafleet.server.served import RequestLimits
 
 MAX_STOPS = 16
 MAX_MESSAGES = 1024

@@ -8,14 +8,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from lorafleet.server.aliases import MAX_ALIASES, Aliases
-from lorafleet.server.auth import Tenant
 from lorafleet.server.errors import ApiError, UserError
+from lorafleet.server.http.aliases import MAX_ALIASES, Aliases
+from lorafleet.server.http.served import ServedBase
 from lorafleet.server.openai.errors import model_not_found
-from lorafleet.server.ownership import Ownership
-from lorafleet.server.paths import SCHEME, parse_tinker_path
-from lorafleet.server.served import ServedBase
-from lorafleet.server.store import Store
+from lorafleet.server.state.keys import Tenant
+from lorafleet.server.state.ownership import Ownership
+from lorafleet.server.state.paths import SCHEME, parse_tinker_path
+from lorafleet.server.state.store import Store
 
 MAX_LISTED_PATHS = 100  # the newest sampler paths /v1/models lists
 

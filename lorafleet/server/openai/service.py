@@ -22,18 +22,18 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from lorafleet.sample.types import SamplingParams
-from lorafleet.server import requests
-from lorafleet.server.auth import Tenant
 from lorafleet.server.errors import ApiError, ServerFault, UserError
-from lorafleet.server.futures import FutureTable, Result
-from lorafleet.server.intake import Intake
+from lorafleet.server.http import parse
+from lorafleet.server.http.served import ServedBase
 from lorafleet.server.openai import asks, render
 from lorafleet.server.openai.errors import OpenAIError, body
 from lorafleet.server.openai.errors import from_failed_result as failed
 from lorafleet.server.openai.models import Models, Target
 from lorafleet.server.openai.text import Incremental, Text, cut_at_stop, safe_prefix
-from lorafleet.server.payloads import SampleArgs
-from lorafleet.server.served import ServedBase
+from lorafleet.server.ops.futures import FutureTable, Result
+from lorafleet.server.ops.intake import Intake
+from lorafleet.server.ops.payloads import SampleArgs
+from lorafleet.server.state.keys import Tenant
 
 log = logging.getLogger(__name__)
 
@@ -145,12 +145,12 @@ class Completions:
             on_token=hook,
         )
         try:
-            requests.check_sample_cost(args, self.served.limits, self.served.context_length)
+            parse.check_sample_cost(args, self.served.limits, self.served.context_length)
         except UserError as exc:
             field = "max_completion_tokens" if ask.chat else "max_tokens"
             raise OpenAIError(exc.message, field) from None
         promise = self.intake.submit(
-            tenant, "sample", args, fingerprint=requests.fingerprint(raw), ordered=False
+            tenant, "sample", args, fingerprint=parse.fingerprint(raw), ordered=False
         )
         return str(promise["request_id"])
 

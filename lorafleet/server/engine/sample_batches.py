@@ -1,0 +1,159 @@
+"""Sample ops into the sampler: each request's adapter version is resolved first (a named
+checkpoint's current version, registered again from its files if the sampler let it go; an
+ephemeral one past retention is a user error), then the requests go to the sampler together,
+either run to completion (`run`) or queued into its running batch (`start`, then `step`), each
+under its tenant's share key and weight so that admission takes turns between tenants by the
+same shares as the training rounds (fair_share.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+from lorafleet.interfaces import Sampler
+from lorafleet.sample import SampleRequest, SampleResult, VersionError
+from lorafleet.server.engine import responses
+from lorafleet.server.engine.sampler_versions import INFLIGHT_SUFFIX, LIVE_SUFFIX, VersionPublisher
+from lorafleet.server.errors import (
+    ApiError,
+    NotFound,
+    ServerFault,
+    UserError,
+    exception_text,
+    strip_paths,
+)
+from lorafleet.server.ops.futures import Result
+from lorafleet.server.ops.payloads import SampleArgs
+from lorafleet.server.ops.scheduler import Op, PendingSample
+from lorafleet.server.state import public_checkpoints
+from lorafleet.server.state.retention import VersionKey
+from lorafleet.server.state.store import Store
+
+Batch = list[tuple[int, SampleArgs, SampleRequest]]
+"""(index of the op, its arguments, the sampler's request) for the ops that passed their checks."""
+
+
+def _not_run() -> Result:
+    return Result.error(UserError("request was not run"))
+
+
+def _result(output: SampleResult, args: SampleArgs) -> Result:
+    if output.error is not None and output.error.code == "engine_unavailable":
+        # the rollout replicas are down or restarting: the request is fine, retry it later
+        return Result.error(ServerFault(f"sample: {strip_paths(output.error.message)}", status=503))
+    if output.error is not None:
+        return Result.error(UserError(f"sample: {strip_paths(output.error.message)}"))
+    return Result.proto(
+        responses.sample_response(
+            output,
+            prompt_logprobs=args.prompt_logprobs,
+            topk_prompt=args.topk_prompt,
+            topk_sample=args.topk_sample,
+            last_n=args.last_n,
+            targets=args.targets,
+        )
+    )
+
+
+class SampleBatches:
+    def __init__(
+        self,
+        sampler: Sampler,
+        store: Store,
+        publisher: VersionPublisher,
+        share_weight: Callable[[str], float] = lambda tenant: 1.0,
+    ):
+        self.sampler = sampler
+        self.share_weight = share_weight  # a tenant's fair-share weight (tenant config)
+        self.store = store
+        self.publisher = publisher  # which version of a checkpoint or ephemeral save is current
+        self.ephemeral_limit = publisher.ephemeral_limit  # named in the error for one that is gone
+
+    def run(self, ops: list[Op]) -> list[Result]:
+        """Runs the ops' samples to completion in one call (samplers without a running batch)."""
+        results, batch = self._requests(ops)
+        if batch:
+            outputs = self.sampler.generate([request for _, _, request in batch])
+            for (i, args, _), output in zip(batch, outputs, strict=True):
+                results[i] = _result(output, args)
+        return [r if r is not None else _not_run() for r in results]
+
+    def start(self, ops: list[Op]) -> list[Result | PendingSample]:
+        """Queues the ops' samples into the sampler's running batch (continuous batching across
+        requests that arrive at different times); the scheduler then calls `step`. A sampler
+        whose batches run elsewhere (Ray replicas) completes them inside `submit`."""
+        results, batch = self._requests(ops)
+        items: list[Result | PendingSample] = [r if r is not None else _not_run() for r in results]
+        if batch:
+            futures = self.sampler.submit([request for _, _, request in batch])
+            for (i, args, _), future in zip(batch, futures, strict=True):
+                items[i] = PendingSample(future, partial(_result, args=args))
+        return items
+
+    def step(self) -> bool:
+        """One step of the running sample batch; False when it had nothing to do."""
+        return bool(self.sampler.step())
+
+    def _requests(self, ops: list[Op]) -> tuple[list[Result | None], Batch]:
+        results: list[Result | None] = [None] * len(ops)
+        batch: Batch = []
+        for i, op in enumerate(ops):
+            args: SampleArgs = op.payload
+            try:
+                key = self._version(args, op.tenant)
+            except ApiError as exc:
+                results[i] = Result.error(exc)
+                continue
+            request = SampleRequest(
+                prompt=args.prompt,
+                params=args.params,
+                adapter=key,
+                num_samples=args.num_samples,
+                share_key=op.tenant,  # admission takes turns between tenants
+                share_weight=self.share_weight(op.tenant),
+                prompt_logprobs=args.prompt_logprobs,
+                topk_prompt_logprobs=args.topk_prompt,
+                topk_sample_logprobs=args.topk_sample,
+                target_prompt_logprobs=None if args.targets is None else args.targets.ids,
+                prompt_alt_tokens_k=args.alt_k,
+                on_token=args.on_token,
+            )
+            batch.append((i, args, request))
+        return results, batch
+
+    def _version(self, args: SampleArgs, tenant: str) -> VersionKey | None:
+        """The published version the request samples from (None: the base), published again
+        from its checkpoint's files if the sampler let it go. Another tenant's checkpoint is
+        checked for publication at every request, not only when the sampling client was made:
+        unpublishing it ends other tenants' sampling of it at once."""
+        key = args.adapter
+        if key is None:
+            return None
+        if key[0].endswith(INFLIGHT_SUFFIX):
+            return self.publisher.inflight_target(key[0])
+        if args.checkpoint_path is None:
+            model_id = key[0].removesuffix(LIVE_SUFFIX)
+            if not self.publisher.retention.is_kept(model_id, key):
+                raise UserError(
+                    "these sampler weights came from save_weights_and_get_sampling_client, whose weights are kept only "
+                    f"for the newest {self.ephemeral_limit} saves of a model and never across a server "
+                    "restart; use save_weights_for_sampler(name) for durable weights"
+                )
+            return key
+        checkpoint = self.store.get_checkpoint(args.checkpoint_path)
+        if checkpoint is None:
+            raise NotFound(f"checkpoint {args.checkpoint_path} was deleted")
+        if checkpoint.tenant != tenant and not public_checkpoints.is_public(checkpoint):
+            raise NotFound(f"checkpoint {args.checkpoint_path} is not published any more")
+        if checkpoint.expired():
+            raise NotFound(
+                f"checkpoint {args.checkpoint_path} has expired (its ttl_seconds ran out)"
+            )
+        try:
+            # The checkpoint's current weights: an overwrite gave them a new version.
+            return self.publisher.checkpoint_version(checkpoint.tinker_path, Path(checkpoint.dir))
+        except VersionError as exc:
+            raise UserError(
+                f"checkpoint {args.checkpoint_path} cannot be sampled: {exception_text(exc)}"
+            ) from None

@@ -1,0 +1,118 @@
+"""The sampling operations: sampling sessions (a saved checkpoint or the bare base, under an id
+the SDK derives) and sample requests, which are not ordered by seq_id but deduplicated by it."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from lorafleet.server.errors import ApiError, Conflict, UserError
+from lorafleet.server.http import parse, schemas
+from lorafleet.server.http.served import ServedBase
+from lorafleet.server.ops.intake import Intake
+from lorafleet.server.ops.payloads import SampleArgs
+from lorafleet.server.state import ids
+from lorafleet.server.state.keys import Tenant
+from lorafleet.server.state.ownership import Ownership
+from lorafleet.server.state.paths import parse_tinker_path
+from lorafleet.server.state.store import SamplingSessionRow, Store
+
+
+class Sampling:
+    def __init__(
+        self,
+        store: Store,
+        ownership: Ownership,
+        intake: Intake,
+        served: ServedBase,
+    ):
+        self.store = store
+        self.ownership = ownership
+        self.intake = intake
+        self.served = served
+
+    def create_session(self, tenant: Tenant, body: Any) -> dict[str, Any]:
+        req = schemas.parse(schemas.CreateSamplingSession, body)
+        self.ownership.session(tenant, req.session_id)
+        sampler_id = ids.sampling_session_id(req.session_id, req.sampling_session_seq_id)
+        adapter_id: str | None = None
+        if req.model_path is not None:
+            checkpoint = self.ownership.readable_checkpoint(
+                tenant, parse_tinker_path(req.model_path, "model_path")
+            )
+            base_model = (
+                self.served.check(req.base_model)
+                if req.base_model
+                else checkpoint.info["base_model"]
+            )
+            adapter_id = checkpoint.tinker_path
+        elif req.base_model is not None:
+            base_model = self.served.check(req.base_model)
+        else:
+            raise UserError("create_sampling_session needs base_model or model_path")
+        existing = self.store.get_sampling_session(sampler_id)
+        if existing is not None:
+            if (
+                existing.tenant == tenant.id
+                and existing.model_path == req.model_path
+                and existing.adapter_id == adapter_id
+            ):
+                return {"sampling_session_id": sampler_id, "type": "create_sampling_session"}
+            raise Conflict(
+                f"sampling_session_seq_id {req.sampling_session_seq_id} is already used in session {req.session_id}"
+            )
+        self.store.add_sampling_session(
+            SamplingSessionRow(
+                sampler_id,
+                tenant.id,
+                req.session_id,
+                base_model,
+                req.model_path,
+                adapter_id,
+                0 if adapter_id is not None else None,
+                time.time(),
+            )
+        )
+        return {"sampling_session_id": sampler_id, "type": "create_sampling_session"}
+
+    def sample(self, tenant: Tenant, body: Any) -> dict[str, Any]:
+        req = schemas.parse(schemas.Sample, body)
+        parse.check_num_samples(req.num_samples, self.served.limits.max_num_samples)
+        scope: str | None = None
+        adapter: tuple[str, int] | None = None
+        checkpoint_path: str | None = None
+        if req.sampling_session_id is not None:
+            row = self.ownership.sampling_session(tenant, req.sampling_session_id)
+            scope = row.sampling_session_id
+            if row.adapter_id is not None:
+                adapter = (row.adapter_id, row.adapter_version or 0)
+                checkpoint_path = row.model_path
+        elif req.model_path is not None:
+            checkpoint = self.ownership.readable_checkpoint(
+                tenant, parse_tinker_path(req.model_path, "model_path")
+            )
+            adapter, checkpoint_path = (checkpoint.tinker_path, 0), checkpoint.tinker_path
+        elif req.base_model is not None:
+            self.served.check(req.base_model)
+        else:
+            raise UserError("asample needs sampling_session_id, model_path or base_model")
+        try:
+            args = parse.sample_args(req, adapter, checkpoint_path)
+            parse.check_sample_cost(args, self.served.limits, self.served.context_length)
+            payload: SampleArgs | ApiError = args
+        except ApiError as exc:
+            payload = exc
+        seq_id = req.seq_id if scope is not None else None
+        result = self.intake.submit(
+            tenant,
+            "sample",
+            payload,
+            fingerprint=parse.fingerprint(body),
+            scope=scope,
+            seq_id=seq_id,
+            ordered=False,
+        )
+        result["sample_sequence_ids"] = ids.sample_sequence_ids(
+            result["request_id"], req.num_samples
+        )
+        return result
