@@ -161,8 +161,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from lorafleet.engines import EngineConfig
+    from lorafleet.server.config import ServerConfig
     from lorafleet.server.main import serve
-    from lorafleet.server.service import ServerConfig
     from lorafleet.server.state.keys import ENV_VAR, load_keys
     from lorafleet.server.state.tenants import TenantsFileError
 

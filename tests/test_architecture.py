@@ -273,3 +273,88 @@ def test_the_checker_sees_local_and_type_only_imports(tmp_path):
         _breaks_rule(sample_to_train)
         == "sample may import only adapters, canary, fsio, hardware, model"
     )
+
+
+# --------------------------------------------------------------------------- the server's stages
+
+SERVER = PACKAGE / "server"
+# Stage -> the stages it may import (besides itself). A stage is a sub-package of
+# lorafleet/server/; `errors` is server/errors.py; the top-level modules (app, main, service,
+# config) assemble the stages and may import any. Keep in step with docs/architecture.md.
+SERVER_STAGES: dict[str, frozenset[str]] = {
+    "errors": frozenset(),
+    "state": frozenset({"errors"}),
+    "ops": frozenset({"state", "errors"}),
+    "engine": frozenset({"ops", "state", "errors"}),
+    "http": frozenset({"ops", "state", "errors"}),
+    "openai": frozenset({"http", "ops", "state", "errors"}),
+    "console": frozenset({"http", "ops", "state", "errors"}),
+}
+SERVER_TOP = frozenset({"app", "main", "service", "config"})
+MAX_SERVER_TOP_MODULES = 12
+WEB_PACKAGES = ("fastapi", "starlette", "uvicorn")
+NO_WEB = frozenset({"state", "ops", "engine", "errors"})  # they know no HTTP framework
+
+
+def _server_stage(module: str) -> str | None:
+    """`lorafleet.server.ops.intake` -> "ops", `lorafleet.server.errors` -> "errors", a top-level
+    module -> "top"; None outside the server."""
+    parts = module.split(".")
+    if parts[:2] != ["lorafleet", "server"]:
+        return None
+    if len(parts) == 2 or parts[2] in SERVER_TOP:
+        return "top"
+    return parts[2]
+
+
+def _server_imports() -> list[tuple[str, int, str, str]]:
+    """(file, line, importer stage, imported module) for every import inside the server."""
+    found = []
+    for path in sorted(SERVER.rglob("*.py")):
+        module = _module_name(path)
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        for node in ast.walk(tree):
+            targets = _imported_modules(node, module, path.name == "__init__.py")
+            if isinstance(node, ast.ImportFrom) and node.module == "lorafleet.server":
+                targets = [f"lorafleet.server.{alias.name}" for alias in node.names]
+            for target in targets:
+                found.append(
+                    (str(path.relative_to(PACKAGE)), getattr(node, "lineno", 0), module, target)
+                )
+    return found
+
+
+def test_the_server_stages_import_only_downstream():
+    """http (bytes in, ops out) never reaches the engine; the engine and ops never reach http;
+    state knows neither; errors is everyone's vocabulary and imports no stage."""
+    broken = []
+    for file, line, module, target in _server_imports():
+        importer, imported = _server_stage(module), _server_stage(target)
+        if importer is None or imported is None or importer in ("top", imported):
+            continue
+        if importer not in SERVER_STAGES:
+            broken.append(f"lorafleet/{file}: stage {importer!r} is not in SERVER_STAGES")
+        elif imported not in SERVER_STAGES[importer]:
+            may = ", ".join(sorted(SERVER_STAGES[importer])) or "no other stage"
+            broken.append(
+                f"lorafleet/{file}:{line}: {importer} -> {imported} (imports {target}): "
+                f"{importer} may import {may}"
+            )
+    assert not broken, "server imports against docs/architecture.md:\n" + "\n".join(broken)
+
+
+def test_state_ops_and_engine_know_no_http_framework():
+    broken = [
+        f"lorafleet/{file}:{line}: imports {target}"
+        for file, line, module, target in _server_imports()
+        if _server_stage(module) in NO_WEB and target.split(".")[0] in WEB_PACKAGES
+    ]
+    assert not broken, "\n".join(broken)
+
+
+def test_the_server_top_level_holds_only_entry_points():
+    top = sorted(p.stem for p in SERVER.glob("*.py") if p.stem != "__init__")
+    assert len(top) <= MAX_SERVER_TOP_MODULES, top
+    stages = sorted(p.name for p in SERVER.iterdir() if (p / "__init__.py").exists())
+    assert set(stages) == set(SERVER_STAGES) - {"errors"}, stages
+    assert set(top) <= SERVER_TOP | {"errors"}, f"modules beside the stages: {top}"

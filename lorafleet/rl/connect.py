@@ -111,8 +111,8 @@ def start_backend(
         )
     from lorafleet.engines import EngineConfig
     from lorafleet.model.loader import resolve_base
+    from lorafleet.server.config import ServerConfig
     from lorafleet.server.main import ServerThread, free_port
-    from lorafleet.server.service import ServerConfig
 
     _model_id, model_dir = resolve_base(base_model)
     data_dir = ensure_private_dir(run_dir / "server-data")

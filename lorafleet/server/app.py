@@ -115,5 +115,5 @@ def create_app(service: Service) -> FastAPI:
     console_routes.add_routes(app, service.console)  # /console: cookie sessions, not keys
     openai_routes.add_routes(app, service.completions, service.aliases, bodies)  # /v1: OpenAI's API
     # LAST: the catch-all for POSTs to paths no route above serves
-    unknown.add_routes(app, service.intake, bodies)
+    unknown.add_routes(app, service.training, bodies)
     return app

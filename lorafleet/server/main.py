@@ -13,7 +13,8 @@ import time
 import uvicorn
 
 from lorafleet.server.app import create_app
-from lorafleet.server.service import ServerConfig, Service
+from lorafleet.server.config import ServerConfig
+from lorafleet.server.service import Service
 
 log = logging.getLogger(__name__)
 
@@ -66,15 +67,20 @@ class ServerThread:
         self.config = config
         warn_if_exposed(config.host)
         self.service = Service(config)  # loads the model on its engine thread
-        self._server = uvicorn.Server(_uvicorn_config(self.service, config, log_level))
-        self._thread = threading.Thread(target=self._server.run, name="lorafleet-http", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 30
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                self.service.close()
-                raise RuntimeError(f"the server did not start on {config.host}:{config.port}")
-            time.sleep(0.02)
+        try:
+            self._server = uvicorn.Server(_uvicorn_config(self.service, config, log_level))
+            self._thread = threading.Thread(
+                target=self._server.run, name="lorafleet-http", daemon=True
+            )
+            self._thread.start()
+            deadline = time.monotonic() + 30
+            while not self._server.started:
+                if not self._thread.is_alive() or time.monotonic() > deadline:
+                    raise RuntimeError(f"the server did not start on {config.host}:{config.port}")
+                time.sleep(0.02)
+        except BaseException:
+            self.service.close()
+            raise
 
     @property
     def base_url(self) -> str:

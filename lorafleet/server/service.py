@@ -1,12 +1,10 @@
 """The server's lifecycle: open the data directory and the database, repair what a previous
-process left (recovery), start the engine worker, run periodic maintenance, close.
+process left (recovery), start the engine worker, build the request handlers, run periodic
+maintenance, close, each step's resources held by one ExitStack.
 
-Everything here but the lifecycle is one module per idea, and `Service` only builds and holds
-them: ownership.py (tenant-scoped lookups), requests.py (request parsing into payloads.py's
-types), intake.py (seq_id dedup and enqueueing), sessions.py, training.py and sampling.py (the
-Tinker operations), rest.py and resource_json.py (the REST resources and their JSON). None of them
-touches torch; engine work reaches the worker thread through the scheduler, as `Op`s whose
-payloads are already parsed, or as `EngineCalls`.
+The parts live in the server's stages (docs/architecture.md): `http/` turns requests into
+typed ops (ops/types.py), `ops/` admits, meters and schedules them, `engine/` runs them on the
+worker thread, `state/` keeps what outlives a request. `Service` only builds and holds them.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -26,10 +24,10 @@ from typing import Any
 from lorafleet.engines import EngineConfig
 from lorafleet.fsio import ensure_private_dir
 from lorafleet.model.hub_cache import publish_tokenizer, tokenizer_name
+from lorafleet.server.config import ServerConfig, request_limits
 from lorafleet.server.console import Sources, build_console
 from lorafleet.server.engine.executor import Executor
-from lorafleet.server.engine.train_batches import datum_costs, datum_tokens
-from lorafleet.server.http import resource_json, schemas
+from lorafleet.server.http import schemas
 from lorafleet.server.http.aliases import Aliases
 from lorafleet.server.http.resources import Rest
 from lorafleet.server.http.sampling import Sampling
@@ -49,7 +47,8 @@ from lorafleet.server.ops.intake import Intake
 from lorafleet.server.ops.metering import Metering
 from lorafleet.server.ops.quotas import Quotas
 from lorafleet.server.ops.run_metrics import RunMetrics
-from lorafleet.server.ops.scheduler import DEFAULT_ROUND_TOKENS, Op, Scheduler
+from lorafleet.server.ops.scheduler import Scheduler
+from lorafleet.server.ops.types import Job, Stage
 from lorafleet.server.state import recovery
 from lorafleet.server.state.disk import DiskGuard
 from lorafleet.server.state.keys import Tenant
@@ -65,76 +64,6 @@ RESTART_MESSAGE = (
     "the server restarted before this request finished; submit it again "
     "(a model that was only in memory must be resumed from a checkpoint with create_training_client_from_state)"
 )
-
-
-@dataclass
-class ServerConfig:
-    base_model: str
-    data_dir: Path
-    api_keys: list[str]
-    host: str = "127.0.0.1"
-    port: int = 8000
-    engine: EngineConfig | None = None  # None: defaults for `base_model`
-    # retrieve_future holds this long before try_again: the SDK's read timeout for it is 45 s
-    # (tinker/lib/api_future_impl.py), and each early try_again costs the client a log line
-    long_poll_s: float = 40.0
-    batch_window_s: float = 0.005  # lets requests that arrive together share a batch
-    # a seq_id missing this long is skipped (scheduler._expire_gaps); the SDK numbers a call
-    # before sending it, so a lost request would otherwise hold up its model for good
-    gap_timeout_s: float = 30.0
-    # where the base's tokenizer is placed for clients on this machine (None: the hub cache
-    # transformers uses here, $HF_HUB_CACHE)
-    tokenizer_cache: Path | None = None
-    future_ttl_s: float = 24 * 3600.0
-    # no heartbeat for this long: the session's models are unloaded
-    session_timeout_s: float = 900.0
-    # how often maintenance runs (a thread, and on requests): stale sessions, old futures, and
-    # checkpoints past their TTL are deleted within about this long
-    maintenance_interval_s: float = 60.0
-    # start-up recovery may delete more than a crash explains (see recovery.py); off, it refuses
-    allow_recovery_deletes: bool = False
-    max_body_bytes: int = 64 << 20  # protobuf forward_backward bodies; the SDK sends <= 5 MB chunks
-    max_json_bytes: int = 8 << 20  # every JSON body (prompts, saves, polls)
-    body_timeout_s: float = 120.0  # a body that trickles in slower than this is refused (408)
-    max_num_samples: int = 1024  # per asample request
-    # a sample response's estimated wire size (requests.response_bytes); the server holds it
-    # as Python objects until it is encoded, several times this (docs/reliability.md)
-    max_response_bytes: int = 6 << 20
-    max_topk_logprobs: int = 20  # topk_sample/topk_prompt_logprobs (see served.RequestLimits)
-    torch_threads: int | None = None
-    # finished results: in memory up to this many bytes in all (newest kept)...
-    results_memory_bytes: int = 64 << 20
-    # ... each at most this big (bigger ones are read back from SQLite when polled)
-    results_memory_entry_bytes: int = 1 << 20
-    # in SQLite up to this many bytes in all (oldest deleted first), besides `future_ttl_s`
-    results_stored_bytes: int = 1 << 30
-    # kept free on the data disk so that deletions still work when it fills (disk.py); at most
-    # 1/16 of the filesystem
-    disk_reserve_bytes: int = 8 << 20
-    # a round running, or ready work waiting, this long makes /healthz report the engine stalled
-    engine_stall_s: float = 600.0
-    # fair share (fair_share.py): the tokens of forward(_backward) work one engine round runs;
-    # tenants take turns by weighted deficit round-robin and a bigger call runs in chunks over
-    # several rounds. Bounds how long another tenant's step waits behind a big call.
-    round_token_budget: int = DEFAULT_ROUND_TOKENS
-    # the tenants file (tenants.py): keys as hashes, weights, operators, quotas; reloaded on
-    # SIGHUP. Without one, `api_keys` are the tenants (weight 1, no quotas, no operator).
-    tenants_file: Path | None = None
-    # requests queued (admitted, not finished) in all; past it a request gets 429 + Retry-After
-    # (admission.py), which the SDK retries
-    max_queued_ops: int = 4096
-    queue_retry_after_s: float = 1.0
-    usage_flush_s: float = 5.0  # metering counts reach SQLite this often (metering.py)
-    # the web console (console/): sign-in sessions (lifetime, how many at once), its live
-    # event streams (in all, per session) and how often a stream looks for changes
-    console_session_ttl_s: float = 8 * 3600.0
-    console_max_sessions: int = 1024
-    console_sessions_per_tenant: int = 64  # past it the tenant's own oldest session goes
-    console_streams: int = 64
-    console_streams_per_session: int = 4
-    console_streams_per_tenant: int = 16  # one tenant's sessions together
-    console_refresh_s: float = 1.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def build_executor(
@@ -161,19 +90,6 @@ def build_executor(
         has_work=has_work,
         share_weight=share_weight,
         max_resident=max_resident,
-    )
-
-
-def request_limits(config: ServerConfig) -> RequestLimits:
-    return RequestLimits(
-        max_num_samples=config.max_num_samples,
-        max_response_bytes=config.max_response_bytes,
-        max_topk_logprobs=config.max_topk_logprobs,
-        max_metadata_keys=schemas.MAX_METADATA_KEYS,
-        max_metadata_bytes=schemas.MAX_METADATA_BYTES,
-        max_page=resource_json.MAX_PAGE,
-        max_json_bytes=config.max_json_bytes,
-        max_body_bytes=config.max_body_bytes,
     )
 
 
@@ -209,32 +125,63 @@ def served_tokenizer(model_dir: Path, cache: Path | None) -> str:
     return name
 
 
-class Service:
-    """Builds the server's parts in dependency order (store, recovery, futures, the engine
-    worker and its executor, then the request handlers that the routes call) and closes them
-    in reverse; between the two it only runs maintenance."""
+STEPS = ("tenancy", "store", "recovery", "futures", "engine", "handlers", "upkeep")
+"""The start-up steps, in order; `Service(on_step=...)` is told each one's name when it is done
+(tests inject a failure after each and check that nothing stays open)."""
 
-    def __init__(self, config: ServerConfig):
+
+class Service:
+    """Builds the server's parts in dependency order and closes them in reverse: one
+    `ExitStack` holds the closer of everything each step opened, so a failure at any step of
+    start-up closes what the earlier steps opened (threads, the engine's processes, the
+    database) before the error propagates, and `close` is that same stack unwound."""
+
+    def __init__(self, config: ServerConfig, *, on_step: Callable[[str], None] | None = None):
         if not 0 < config.maintenance_interval_s < float("inf"):
             raise ValueError(
                 f"maintenance_interval_s must be a positive number of seconds, got {config.maintenance_interval_s!r}"
             )
         self.config = config
-        # first: a bad tenants file is refused before the data dir is made or recovered
+        self._on_step = on_step or (lambda step: None)
+        self._closing = ExitStack()
+        try:
+            self._open_state()
+            self._start_engine()
+            self._build_handlers()
+            self._start_upkeep()
+        except BaseException:
+            self._closing.close()
+            raise
+
+    def _done(self, step: str) -> None:
+        self._on_step(step)
+
+    # ------------------------------------------------------------------ start-up steps
+    def _open_state(self) -> None:
+        """The tenants, the data dir and its database, repaired (recovery) before anything
+        reads it. A bad tenants file is refused first, before the data dir is made."""
+        config = self.config
         self.tenancy = _tenancy(config)
+        self._done("tenancy")
         self.data_dir = ensure_private_dir(Path(config.data_dir).expanduser().resolve())
         db_path = self.data_dir / "lorafleet.db"
         # SQLite's -wal/-shm inherit this file's mode
         os.close(os.open(db_path, os.O_CREAT | os.O_RDWR, 0o600))
         self.disk = DiskGuard(self.data_dir, config.disk_reserve_bytes)
         self.store = Store(db_path, on_disk_full=self.disk.release)
-        try:
-            self.recovered = self._recover()
-        except BaseException:
-            self.store.close()
-            raise
+        self._closing.callback(self.store.close)  # last: everything above writes to it
+        self._done("store")
+        self.recovered = self._recover()
+        self._done("recovery")
+
+    def _start_engine(self) -> None:
+        """Metering and run metrics (closed after the worker, so its last batches count), the
+        future table, and the engine worker with its executor (model loading happens there)."""
+        config = self.config
         self.metering = Metering(self.store, flush_s=config.usage_flush_s)
+        self._closing.callback(self.metering.close)
         self.run_metrics = RunMetrics(self.store)  # per-step loss and client metrics (console)
+        self._closing.callback(self.run_metrics.close)
         self.futures = FutureTable(
             self.store,
             memory_bytes=config.results_memory_bytes,
@@ -243,6 +190,8 @@ class Service:
             ttl_s=config.future_ttl_s,
             disk_full=lambda: self.disk.full,
         )
+        self._done("futures")
+        engine_config = config.engine or EngineConfig(base_model=config.base_model)
         self.scheduler = Scheduler(
             self.futures,
             batch_window_s=config.batch_window_s,
@@ -250,15 +199,11 @@ class Service:
             disk_guard=self.disk,
             stall_s=config.engine_stall_s,
             round_token_budget=config.round_token_budget,
-            op_sizes=datum_tokens,
-            op_costs=datum_costs,
-            max_round_models=(
-                config.engine or EngineConfig(base_model=config.base_model)
-            ).max_adapters,
+            max_round_models=engine_config.max_adapters,
             weight_of=self.tenancy.weight_of,
             on_work=self._on_work,
         )
-        self.executor = self.scheduler.start(
+        started = self.scheduler.start(
             lambda: build_executor(
                 config,
                 self.store,
@@ -267,46 +212,46 @@ class Service:
                 self.tenancy.weight_of,
                 self.tenancy.max_resident,  # resident_runs: kept by paging (live_models.py)
             )
-        ).result()
+        )
+        built: list[Executor] = []
+        # unwound in reverse: the table's waiters are released, the worker stops, then the
+        # engines' processes and actors (vLLM servers, Ray replicas) are stopped
+        self._closing.callback(_close_all, built)
+        self._closing.callback(self.scheduler.stop)
+        self._closing.callback(self.futures.close)
+        self.executor = started.result()
+        built.append(self.executor)
+        self._done("engine")
+
+    def _build_handlers(self) -> None:
+        """The parts the routes call; none of them starts a thread or holds a resource."""
+        config = self.config
         self.served = served_base(self.executor, request_limits(config), config.tokenizer_cache)
         self.started_at = time.time()
-        self._last_maintenance = time.monotonic()
-        self._maintenance_lock = threading.Lock()
-        self._expiring: set[str] = set()  # tinker paths whose deletion is queued on the engine
-        self._expiring_lock = threading.Lock()
-        self.maintenance_failures = 0
-        self._stop_maintenance = threading.Event()
-
         engine = EngineCalls(self.scheduler, self.executor)
         ownership = Ownership(self.store)
         self.admission = Admission(self.futures, config.max_queued_ops, config.queue_retry_after_s)
         self.quotas = Quotas(
             self.tenancy, self.store, self.metering, self.admission, self.served.context_length
         )
-        # resident adapter-seconds: each run's time in a trainer slot (not while paged out)
-        self.metering.resident = self.executor.live.resident_seconds
-        self.metering.start()
-        self.reloader = Reloader(self.tenancy) if self.tenancy.path is not None else None
-        intake = Intake(
+        self.intake = Intake(
             self.store,
             self.futures,
             self.scheduler,
-            ownership,
             self._maybe_maintain,
             admission=self.admission,
             quotas=self.quotas,
         )
-        self.intake = intake  # the catch-all route records unknown calls' seq_ids through it
         signer = UrlSigner(load_or_create_secret(self.data_dir))  # download links (signed_urls.py)
         self.sessions = Sessions(self.store, ownership, engine, signer)
         self.training = Training(
-            ownership, intake, self.served, max_body_bytes=config.max_body_bytes
+            ownership, self.intake, self.served, max_body_bytes=config.max_body_bytes
         )
-        self.sampling = Sampling(self.store, ownership, intake, self.served)
+        self.sampling = Sampling(self.store, ownership, self.intake, self.served)
         # the OpenAI-compatible routes: the same intake and sampler, model names via aliases
         self.aliases = Aliases(self.store, ownership, self.served)
         self.completions = Completions(
-            intake,
+            self.intake,
             self.futures,
             Models(self.store, ownership, self.served, self.aliases),
             self.served,
@@ -349,10 +294,33 @@ class Service:
             refresh_s=config.console_refresh_s,
         )
         self._engine = engine
+        self._done("handlers")
+
+    def _start_upkeep(self) -> None:
+        """The threads that keep the service tidy: metering's flushes, the tenants file's
+        reloader (SIGHUP), maintenance (stale sessions, old results, expired checkpoints)."""
+        # resident adapter-seconds: each run's time in a trainer slot (not while paged out)
+        self.metering.resident = self.executor.live.resident_seconds
+        self.metering.start()
+        self.reloader = Reloader(self.tenancy) if self.tenancy.path is not None else None
+        if self.reloader is not None:
+            self._closing.callback(self.reloader.close)
+        self._last_maintenance = time.monotonic()
+        self._maintenance_lock = threading.Lock()
+        self._expiring: set[str] = set()  # tinker paths whose deletion is queued on the engine
+        self._expiring_lock = threading.Lock()
+        self.maintenance_failures = 0
+        self._stop_maintenance = threading.Event()
         self._maintenance = threading.Thread(
             target=self._maintenance_loop, name="lorafleet-maintenance", daemon=True
         )
         self._maintenance.start()
+        self._closing.callback(self._stop_maintenance_thread)
+        self._done("upkeep")
+
+    def _stop_maintenance_thread(self) -> None:
+        self._stop_maintenance.set()
+        self._maintenance.join()
 
     def _recover(self) -> dict[str, int]:
         """A previous process's pending futures can never finish, its in-memory models are gone,
@@ -432,30 +400,22 @@ class Service:
                 )
 
     def close(self) -> None:
-        self._stop_maintenance.set()
-        self._maintenance.join()
-        if self.reloader is not None:
-            self.reloader.close()
-        self.futures.close()
-        self.scheduler.stop()
-        self.executor.close()
-        self.metering.close()  # after the worker: its last batches are counted
-        self.run_metrics.close()
-        self.store.close()
+        """Closes what start-up opened, in reverse (see `__init__`)."""
+        self._closing.close()
 
     def _on_work(
         self,
-        kind: str,
-        work: list[tuple[Op, int]],
+        stage: Stage,
+        work: list[tuple[Job, int]],
         seconds: float,
-        finished: list[tuple[Op, Result]],
+        finished: list[tuple[Job, Result]],
     ) -> None:
         """The scheduler's work hook: metering, then the console's loss points (both run even
         when the first fails; the scheduler logs what either raises)."""
         try:
-            self.metering.on_work(kind, work, seconds, finished)
+            self.metering.on_work(stage, work, seconds, finished)
         finally:
-            self.run_metrics.on_work(kind, work, seconds, finished)
+            self.run_metrics.on_work(stage, work, seconds, finished)
 
     def authenticate(self, key: str | None) -> Tenant:
         return self.tenancy.current.keys.authenticate(key)
@@ -508,6 +468,11 @@ class Service:
                 "reload_failures": self.tenancy.reload_failures,
             },
         }
+
+
+def _close_all(executors: list[Executor]) -> None:
+    for executor in executors:
+        executor.close()
 
 
 def _tenancy(config: ServerConfig) -> Tenancy:

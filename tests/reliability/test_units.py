@@ -14,9 +14,10 @@ from lorafleet.server.errors import UserError
 from lorafleet.server.http import schemas
 from lorafleet.server.http.parse import unzstd
 from lorafleet.server.ops.futures import FutureTable
-from lorafleet.server.ops.scheduler import MAX_SEQ_AHEAD, Op, Scheduler
+from lorafleet.server.ops.scheduler import MAX_SEQ_AHEAD, Scheduler
 from lorafleet.server.state import recovery
 from lorafleet.server.state.store import CheckpointRow, Store
+from tests.server.jobs import job
 
 
 def _row(path: str, directory) -> CheckpointRow:
@@ -134,7 +135,7 @@ def test_a_seq_id_far_past_the_next_one_fails_at_once(tmp_path):
     scheduler.register_model("m", next_seq=5)
     for request_id, seq in (("far", 5 + MAX_SEQ_AHEAD + 1), ("near", 5 + MAX_SEQ_AHEAD)):
         futures.create(request_id, "t", kind="optim_step", scope="m", seq_id=seq)
-        scheduler.submit(Op(request_id, "optim_step", "t", None, model_id="m", seq_id=seq))
+        scheduler.submit(job(request_id, "optim_step", "t", model_id="m", seq_id=seq))
     far = store.get_future("far")
     assert far.state == "failed" and b"ahead of the next one" in far.body
     assert store.get_future("near").state == "pending" and scheduler.pending() == 1

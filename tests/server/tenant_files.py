@@ -7,7 +7,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from lorafleet.server.service import ServerConfig
+from lorafleet.server.config import ServerConfig
 from tests.server.conftest import server_config
 
 

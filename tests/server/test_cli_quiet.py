@@ -16,7 +16,7 @@ import pytest
 
 from lorafleet import cli
 from lorafleet.server.main import ServerThread
-from lorafleet.server.service import ServerConfig
+from lorafleet.server.config import ServerConfig
 from tests.server.conftest import connect
 
 SDK_LOGGER = logging.getLogger(cli.SDK_RETRY_LOGGER)

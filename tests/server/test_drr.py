@@ -13,7 +13,9 @@ import pytest
 
 from lorafleet.server.ops.fair_share import DeficitRoundRobin, Work
 from lorafleet.server.ops.futures import Result
-from lorafleet.server.ops.scheduler import Op, Partial, Scheduler, TrainChunk
+from lorafleet.server.ops.scheduler import Partial, Scheduler, TrainChunk
+from lorafleet.server.ops.types import Job
+from tests.server.jobs import job, train_op
 
 
 def _rounds(drr, work: dict[str, list[Work]], budget: int, rounds: int, max_models=None):
@@ -143,10 +145,10 @@ class _ChunkExecutor:
     def run_train(self, chunks: list[TrainChunk]):
         if self.on_train:
             self.on_train.pop(0)()
-        self.calls.append(("train", [(c.op.model_id, c.start, c.stop) for c in chunks]))
+        self.calls.append(("train", [(c.job.model_id, c.start, c.stop) for c in chunks]))
         out: list[Result | Partial] = []
         for c in chunks:
-            if (c.op.request_id, c.start) in self.fail:
+            if (c.job.request_id, c.start) in self.fail:
                 out.append(Result.error(ValueError("bad chunk")))  # type: ignore[arg-type]
             elif c.last:
                 out.append(Result.json({"ranges": [*c.earlier, [c.start, c.stop]]}))
@@ -183,11 +185,11 @@ class _Futures:
 
 
 def _scheduler(futures, **kw) -> Scheduler:
-    return Scheduler(futures, op_sizes=lambda op: op.payload, **kw)  # type: ignore[arg-type]
+    return Scheduler(futures, **kw)  # type: ignore[arg-type]
 
 
-def _fb(rid: str, tenant: str, model: str, seq: int, sizes: list[int]) -> Op:
-    return Op(rid, "forward_backward", tenant, sizes, model_id=model, seq_id=seq)
+def _fb(rid: str, tenant: str, model: str, seq: int, sizes: list[int]) -> Job:
+    return job(rid, train_op(sizes), tenant, model_id=model, seq_id=seq)
 
 
 def test_a_big_call_runs_in_chunks_and_its_optim_step_waits_for_the_last():
@@ -199,9 +201,9 @@ def test_a_big_call_runs_in_chunks_and_its_optim_step_waits_for_the_last():
     scheduler.start(lambda: executor)
     try:
         scheduler.submit(_fb("B1", "flooder", "big", 1, [10] * 40))
-        scheduler.submit(Op("B2", "optim_step", "flooder", None, model_id="big", seq_id=2))
+        scheduler.submit(job("B2", "optim_step", "flooder", model_id="big", seq_id=2))
         scheduler.submit(_fb("S1", "small", "small", 1, [10]))
-        scheduler.submit(Op("S2", "optim_step", "small", None, model_id="small", seq_id=2))
+        scheduler.submit(job("S2", "optim_step", "small", model_id="small", seq_id=2))
         scheduler.resume()
         futures.wait("B1", "B2", "S1", "S2")
     finally:
@@ -303,7 +305,7 @@ def test_state_reports_queues_deficits_and_rounds():
 def test_the_cli_default_budget_is_the_schedulers():
     from lorafleet.cli import build_parser
     from lorafleet.server.ops.scheduler import DEFAULT_ROUND_TOKENS
-    from lorafleet.server.service import ServerConfig
+    from lorafleet.server.config import ServerConfig
 
     args = ["serve", "--base-model", "tiny-qwen3", "--data-dir", "unused"]
     assert build_parser().parse_args(args).round_token_budget == DEFAULT_ROUND_TOKENS
@@ -315,24 +317,18 @@ def test_the_cli_default_budget_is_the_schedulers():
 def test_datum_costs_count_only_what_earlier_datums_do_not_share():
     import torch
 
-    from lorafleet.server.engine.train_batches import datum_costs, datum_tokens
-    from lorafleet.server.ops.payloads import ForwardBackwardCall
+    from lorafleet.server.ops.fair_share import datum_costs
 
     history = list(range(100, 500))
     turns = [history[: 40 + 30 * k] for k in range(10)]  # turn k+1 extends turn k
     other = [7, *history[1:50]]  # differs at its first token: shares nothing
-    data = [
-        type("D", (), {"tokens": torch.tensor(t, dtype=torch.int64)})() for t in [*turns, other]
-    ]
-    call = ForwardBackwardCall("m", 1, "cross_entropy", None, False, data)  # type: ignore[arg-type]
-    op = Op("r", "forward_backward", "t", call, model_id="m", seq_id=1)
-    assert datum_tokens(op) == [len(t) for t in [*turns, other]]
-    assert datum_costs(op) == [40, *[30] * 9, 50]
+    tokens = [torch.tensor(t, dtype=torch.int64) for t in [*turns, other]]
+    assert datum_costs(tokens) == [40, *[30] * 9, 50]
 
 
 def test_a_multi_turn_call_runs_in_one_round_when_counted_after_sharing():
     """Ten turns of 400-670 tokens (each the last plus 30): counted raw, a 512-token budget cut
-    them into ten rounds and no turn shared its history; counted after sharing (`op_costs`) they
+    them into ten rounds and no turn shared its history; counted after sharing (`datum_costs`) they
     run in one round, and the metered tokens are still every token."""
     executor, futures = _ChunkExecutor(), _Futures()
     sizes = [400 + 30 * k for k in range(10)]
@@ -341,14 +337,12 @@ def test_a_multi_turn_call_runs_in_one_round_when_counted_after_sharing():
     scheduler = Scheduler(
         futures,  # type: ignore[arg-type]
         round_token_budget=1024,
-        op_sizes=lambda op: sizes,
-        op_costs=lambda op: costs,
         on_work=lambda kind, work, seconds, done: worked.extend(n for _, n in work),
     )
     scheduler.register_model("m")
     scheduler.start(lambda: executor)
     try:
-        scheduler.submit(_fb("E", "t", "m", 1, sizes))
+        scheduler.submit(job("E", train_op(sizes, costs), "t", model_id="m", seq_id=1))
         futures.wait("E")
     finally:
         scheduler.stop()

@@ -24,11 +24,13 @@ import tinker
 from lorafleet.server.errors import NotFound
 from lorafleet.server.ops import health
 from lorafleet.server.ops.futures import PROBLEM_LOST, FutureTable, Result
-from lorafleet.server.ops.scheduler import ENGINE_DEAD, Op, PendingSample, Scheduler, TrainChunk
+from lorafleet.server.ops.scheduler import ENGINE_DEAD, PendingSample, Scheduler, TrainChunk
+from lorafleet.server.ops.types import Job
 from lorafleet.server.state import disk
 from lorafleet.server.state.disk import DiskGuard
 from lorafleet.server.state.store import Store
 from tests.server.conftest import KEY_B, connect, sl_datum
+from tests.server.jobs import job
 
 TENANT = "t"
 
@@ -52,7 +54,7 @@ class _Engine:
     def __init__(self, failures: dict[str, BaseException | str] | None = None):
         self.failures = failures or {}
 
-    def run_control(self, op: Op) -> Any:
+    def run_control(self, op: Job) -> Any:
         failure = self.failures.get(op.request_id)
         if isinstance(failure, BaseException):
             raise failure
@@ -61,12 +63,12 @@ class _Engine:
         return Result.json({"path": f"tinker://{op.model_id}/weights/{op.request_id}"})
 
     def run_train(self, chunks: list[TrainChunk]) -> list[Result]:
-        return [Result.json({"ok": c.op.request_id}) for c in chunks]
+        return [Result.json({"ok": c.job.request_id}) for c in chunks]
 
-    def run_optim(self, ops: list[Op]) -> list[Result]:
+    def run_optim(self, ops: list[Job]) -> list[Result]:
         return [Result.json({"ok": op.request_id}) for op in ops]
 
-    def start_sample(self, ops: list[Op]) -> list[Result | PendingSample]:
+    def start_sample(self, ops: list[Job]) -> list[Result | PendingSample]:
         return [Result.json({"ok": op.request_id}) for op in ops]
 
     def step_sampler(self) -> bool:
@@ -81,7 +83,7 @@ def _submit(
     futures: FutureTable, scheduler: Scheduler, request_id: str, kind: str, seq: int
 ) -> None:
     futures.create(request_id, TENANT, kind=kind, scope="m", seq_id=seq)
-    scheduler.submit(Op(request_id, kind, TENANT, None, model_id="m", seq_id=seq))
+    scheduler.submit(job(request_id, kind, TENANT, model_id="m", seq_id=seq))
 
 
 def _result(futures: FutureTable, request_id: str, timeout: float = 10.0) -> Result:
@@ -145,14 +147,14 @@ def test_an_exception_escaping_a_round_fails_its_ops_and_the_worker_goes_on(tmp_
     futures = _table(store)
 
     class _BrokenSampler(_Engine):
-        def start_sample(self, ops: list[Op]) -> list[Result | PendingSample]:
+        def start_sample(self, ops: list[Job]) -> list[Result | PendingSample]:
             # an executor bug: a pending sample without a future, which the round trips over
             return [PendingSample(None, lambda out: Result.json(out)) for _ in ops]  # type: ignore[arg-type]
 
     scheduler = _running(futures, _BrokenSampler())
     try:
         futures.create("s1", TENANT, kind="sample")
-        scheduler.submit(Op("s1", "sample", TENANT, None))
+        scheduler.submit(job("s1", "sample", TENANT))
         message = _error(_result(futures, "s1"))
         assert message.startswith("internal error while running the request: AttributeError")
         _submit(futures, scheduler, "next", "forward_backward", 1)
@@ -221,7 +223,7 @@ def test_a_round_that_never_ends_is_reported_stalled(tmp_path):
     release = threading.Event()
 
     class _Stuck(_Engine):
-        def run_control(self, op: Op) -> Any:
+        def run_control(self, op: Job) -> Any:
             release.wait(30)
             return super().run_control(op)
 

@@ -11,8 +11,9 @@ import pytest
 from lorafleet.model.banks import AdapterSpec
 from lorafleet.server.engine.live_models import LiveModels
 from lorafleet.server.errors import ServerFault, UserError
-from lorafleet.server.ops.scheduler import Op, Scheduler
+from lorafleet.server.ops.scheduler import Scheduler
 from lorafleet.server.state.store import ModelRow
+from tests.server.jobs import job
 from tests.train.test_engine import make_engine
 
 
@@ -105,9 +106,9 @@ def test_the_scheduler_says_which_models_have_work():
     scheduler.register_model("a")
     scheduler.register_model("b")
     assert not scheduler.has_work("a")
-    scheduler.submit(Op("r1", "forward_backward", "t", None, model_id="a", seq_id=2))
+    scheduler.submit(job("r1", "forward_backward", "t", model_id="a", seq_id=2))
     assert scheduler.has_work("a") and not scheduler.has_work("b")
-    scheduler.submit(Op("r2", "create_model", "t", None, model_id="c"))
+    scheduler.submit(job("r2", "create_model", "t", model_id="c"))
     assert scheduler.has_work("c")
 
 

@@ -12,7 +12,7 @@ import tinker
 from tinker import types
 
 from lorafleet.server.main import ServerThread
-from lorafleet.server.service import ServerConfig
+from lorafleet.server.config import ServerConfig
 from tests.server.conftest import KEY_A
 
 DEFAULTS = ServerConfig(base_model="x", data_dir=Path("x"), api_keys=[])

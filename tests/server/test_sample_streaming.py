@@ -9,7 +9,8 @@ import time
 from concurrent.futures import Future
 
 from lorafleet.server.ops.futures import Result
-from lorafleet.server.ops.scheduler import Op, PendingSample, Scheduler
+from lorafleet.server.ops.scheduler import PendingSample, Scheduler
+from tests.server.jobs import job, sample_op
 
 
 class _StepExecutor:
@@ -38,7 +39,7 @@ class _StepExecutor:
         pending = []
         for op in ops:
             future: Future = Future()
-            self.running.append(([op.payload], future))
+            self.running.append(([op.op.params.max_tokens], future))
             pending.append(
                 PendingSample(
                     future,
@@ -89,14 +90,14 @@ def test_late_samples_join_the_running_batch_and_training_runs_between_slices():
     scheduler.register_model("m")
     scheduler.start(lambda: executor)
     try:
-        scheduler.submit(Op("long", "sample", "t1", 100, scope="s1"))
+        scheduler.submit(job("long", sample_op(steps=100), "t1", scope="s1"))
         deadline = time.monotonic() + 10
         while executor.steps < 5 and time.monotonic() < deadline:
             time.sleep(0.005)
-        scheduler.submit(Op("short", "sample", "t2", 3, scope="s2"))
+        scheduler.submit(job("short", sample_op(steps=3), "t2", scope="s2"))
         futures.wait("short")
         assert "long" not in futures.done  # the short one joined and finished first
-        scheduler.submit(Op("fb", "forward_backward", "t3", None, model_id="m", seq_id=1))
+        scheduler.submit(job("fb", "forward_backward", "t3", model_id="m", seq_id=1))
         futures.wait("fb")
         assert "long" not in futures.done  # training did not wait for the long generation
         futures.wait("long")

@@ -15,10 +15,11 @@ from lorafleet.server.engine import responses
 from lorafleet.server.errors import Unauthorized, UserError
 from lorafleet.server.http import proto
 from lorafleet.server.ops.futures import Result
-from lorafleet.server.ops.scheduler import Op, Scheduler
+from lorafleet.server.ops.scheduler import Scheduler
 from lorafleet.server.state.keys import KeyRing, load_keys, parse_keys
 from lorafleet.server.state.paths import parse_tinker_path, run_dir_name
 from lorafleet.server.state.retention import EphemeralRetention
+from tests.server.jobs import job
 
 
 def _request(**tensors: pb.Tensor) -> pb.ForwardBackwardRequest:
@@ -178,7 +179,7 @@ class _Recorder:
         return self._record("control", [op])[0]
 
     def run_train(self, chunks):
-        return self._record("train", [chunk.op for chunk in chunks])
+        return self._record("train", [chunk.job for chunk in chunks])
 
     def run_optim(self, ops):
         return self._record("optim", ops)
@@ -214,7 +215,7 @@ def test_scheduler_orders_by_seq_and_batches_across_models():
             ("b", 1, "forward"),
             ("a", 5, "forward_backward"),
         ]:
-            scheduler.submit(Op(f"{model}{seq}", kind, "t", None, model_id=model, seq_id=seq))
+            scheduler.submit(job(f"{model}{seq}", kind, "t", model_id=model, seq_id=seq))
         scheduler.resume()
         for _ in range(100):
             if len(futures.done) == 5:
@@ -226,7 +227,7 @@ def test_scheduler_orders_by_seq_and_batches_across_models():
             ("optim", [("a", 3), ("b", 2)]),
         ]
         assert "a5" not in futures.done  # seq 4 never came
-        scheduler.submit(Op("a1-again", "optim_step", "t", None, model_id="a", seq_id=1))
+        scheduler.submit(job("a1-again", "optim_step", "t", model_id="a", seq_id=1))
         assert futures.done["a1-again"].failed
         assert b"already executed" in futures.done["a1-again"].body
         assert (
@@ -245,15 +246,15 @@ def test_scheduler_skips_a_seq_that_never_arrives():
     scheduler.register_model("a")
     scheduler.start(lambda: recorder)
     try:
-        scheduler.submit(Op("a3", "optim_step", "t", None, model_id="a", seq_id=3))
+        scheduler.submit(job("a3", "optim_step", "t", model_id="a", seq_id=3))
         assert futures.event.wait(5.0)
         assert not futures.done["a3"].failed
         assert recorder.calls == [("optim", [("a", 3)])]
         futures.event.clear()
-        scheduler.submit(Op("a4", "optim_step", "t", None, model_id="a", seq_id=4))
+        scheduler.submit(job("a4", "optim_step", "t", model_id="a", seq_id=4))
         assert futures.event.wait(5.0) and not futures.done["a4"].failed
         for late in (1, 2):
-            scheduler.submit(Op(f"a{late}", "optim_step", "t", None, model_id="a", seq_id=late))
+            scheduler.submit(job(f"a{late}", "optim_step", "t", model_id="a", seq_id=late))
             assert futures.done[f"a{late}"].failed
             assert (
                 b"arrived after the server gave up waiting for it" in futures.done[f"a{late}"].body

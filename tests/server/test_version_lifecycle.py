@@ -118,7 +118,11 @@ def test_overwrite_while_sampled_serves_new_weights_to_new_samples(client_a, bas
     check = client_a.create_sampling_client(
         model_path=tc.save_weights_for_sampler("ow-check").result().path
     ).result()
-    assert new == _greedy(check)  # new samples get the new weights
+    # new samples get the new weights: the same tokens, and log-probs within fp32 rounding (two
+    # versions of the same weights sample in different batches, whose reductions may differ)
+    same = _greedy(check)
+    assert new[0] == same[0]
+    np.testing.assert_allclose(new[1], same[1], rtol=0, atol=1e-5)
     assert not np.allclose(new[1], old[1], atol=1e-4)
 
     out = running.result().sequences[0]

@@ -16,8 +16,7 @@ from lorafleet.server.engine.live_models import LiveModels
 from lorafleet.server.engine.target_sets import TargetSets
 from lorafleet.server.errors import UserError, exception_text
 from lorafleet.server.ops.futures import Result
-from lorafleet.server.ops.payloads import CreateArgs, FromStateArgs, LoadArgs
-from lorafleet.server.ops.scheduler import Op
+from lorafleet.server.ops.types import CreateFromState, CreateModel, Job, LoadWeights
 
 
 class AdapterSetup:
@@ -33,14 +32,13 @@ class AdapterSetup:
         self.live = live
         self.checkpoints = checkpoints
 
-    def create_model(self, op: Op) -> Result:
-        args: CreateArgs = op.payload
-        assert op.model_id is not None
+    def create_model(self, job: Job, args: CreateModel) -> Result:
+        assert job.model_id is not None
         lora = dict(args.lora)
         if lora.get("seed") is None:
             lora["seed"] = secrets.randbits(31)
         lora["optimizer"] = args.optimizer  # recorded for get_info / weights_info (views.py)
-        self.live.require_free_slot(op.tenant)
+        self.live.require_free_slot(job.tenant)
         try:
             targets = self.targets.for_lora(lora)
             spec = AdapterSpec(
@@ -53,8 +51,8 @@ class AdapterSetup:
         except (BankError, TargetError, ValueError) as exc:
             raise UserError(f"create_model: {exception_text(exc)}") from None
         self.live.add(
-            op.model_id,
-            op.tenant,
+            job.model_id,
+            job.tenant,
             args.session_id,
             args.base_model,
             slot,
@@ -62,13 +60,12 @@ class AdapterSetup:
             args.user_metadata,
             optimizer=args.optimizer,
         )
-        return Result.json({"model_id": op.model_id, "type": "create_model"})
+        return Result.json({"model_id": job.model_id, "type": "create_model"})
 
-    def create_from_state(self, op: Op) -> Result:
-        args: FromStateArgs = op.payload
-        assert op.model_id is not None
+    def create_from_state(self, job: Job, args: CreateFromState) -> Result:
+        assert job.model_id is not None
         state = self.checkpoints.read_state(args.checkpoint, "create_training_client_from_state")
-        self.live.require_free_slot(op.tenant)
+        self.live.require_free_slot(job.tenant)
         restores_state = args.optimizer and state.moments is not None
         family = args.optimizer_family
         if restores_state and family is not None and family != state.optimizer:
@@ -87,8 +84,8 @@ class AdapterSetup:
         lora = {**args.checkpoint.info["lora"], "optimizer": family}
         base_model = args.base_model or args.checkpoint.info["base_model"]
         self.live.add(
-            op.model_id,
-            op.tenant,
+            job.model_id,
+            job.tenant,
             args.session_id,
             base_model,
             slot,
@@ -97,13 +94,12 @@ class AdapterSetup:
             optimizer=family,
         )
         return Result.json(
-            {"model_id": op.model_id, "path": args.checkpoint.tinker_path, "type": "load_weights"}
+            {"model_id": job.model_id, "path": args.checkpoint.tinker_path, "type": "load_weights"}
         )
 
-    def load_weights(self, op: Op) -> Result:
+    def load_weights(self, job: Job, args: LoadWeights) -> Result:
         """The deprecated in-place load_state: replaces the model's adapter and optimizer state."""
-        args: LoadArgs = op.payload
-        live = self.live.get(op.model_id)
+        live = self.live.get(job.model_id)
         state = self.checkpoints.read_state(args.checkpoint, "load_state")
         if args.optimizer and state.moments is not None and state.optimizer != live.optimizer:
             raise UserError(

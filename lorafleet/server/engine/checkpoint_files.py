@@ -16,7 +16,7 @@ from lorafleet.server.engine import faults
 from lorafleet.server.engine.live_models import LiveModel
 from lorafleet.server.engine.sampler_versions import VersionPublisher
 from lorafleet.server.errors import DiskFull, UserError, exception_text
-from lorafleet.server.ops.payloads import SaveArgs, SaveExternalArgs, SaveSamplerArgs
+from lorafleet.server.ops.types import SaveExternal, SaveSampler, SaveWeights
 from lorafleet.server.state.deletion import prune_empty_parents, remove_tree
 from lorafleet.server.state.external_weights import write_export
 from lorafleet.server.state.paths import TENANTS_DIR, TinkerPath, checkpoint_dir, dir_size
@@ -58,7 +58,7 @@ class CheckpointFiles:
                 f"checkpoint {checkpoint.tinker_path} cannot be read: {exception_text(exc)}"
             ) from None
 
-    def save_state(self, tenant: str, live: LiveModel, args: SaveArgs) -> str:
+    def save_state(self, tenant: str, live: LiveModel, args: SaveWeights) -> str:
         """Writes the model's training state; returns its tinker path."""
         path = TinkerPath(live.model_id, "weights", args.name)
         if self.store.get_checkpoint(str(path)) is not None and not args.overwrite:
@@ -80,7 +80,7 @@ class CheckpointFiles:
         self.store.put_checkpoint(self._row(tenant, path, dest, "training", args))
         return str(path)
 
-    def save_sampler(self, tenant: str, live: LiveModel, name: str, args: SaveSamplerArgs) -> str:
+    def save_sampler(self, tenant: str, live: LiveModel, name: str, args: SaveSampler) -> str:
         """Publishes the model's adapter as sampler checkpoint `name`, then exports its files and
         writes its row; returns its tinker path. Publishing first claims a sampler slot before
         anything exists, so a slot shortage (SamplerSlotsBusy) leaves nothing behind."""
@@ -110,7 +110,7 @@ class CheckpointFiles:
             raise
         return str(path)
 
-    def save_external(self, tenant: str, live: LiveModel, args: SaveExternalArgs) -> str:
+    def save_external(self, tenant: str, live: LiveModel, args: SaveExternal) -> str:
         """Exports the model's adapter for download (`save_weights_external`, see
         external_weights.py); returns its tinker path."""
         path = TinkerPath(live.model_id, "external_weights", args.name)
@@ -156,7 +156,7 @@ class CheckpointFiles:
         path: TinkerPath,
         dest: Path,
         kind: str,
-        args: SaveArgs | SaveSamplerArgs | SaveExternalArgs,
+        args: SaveWeights | SaveSampler | SaveExternal,
     ) -> CheckpointRow:
         model = self.store.get_model(path.model_id)
         assert model is not None

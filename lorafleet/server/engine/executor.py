@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, assert_never
 
 from lorafleet.engines import EngineConfig, build_engines
 from lorafleet.interfaces import EngineSet, PagingReport, RolloutReport
@@ -35,8 +35,21 @@ from lorafleet.server.engine.target_sets import TargetSets
 from lorafleet.server.engine.train_batches import TrainBatches
 from lorafleet.server.errors import ApiError, UserError
 from lorafleet.server.ops.futures import Result
-from lorafleet.server.ops.payloads import SaveArgs, SaveExternalArgs, SaveSamplerArgs
-from lorafleet.server.ops.scheduler import Op, Partial, PendingSample, TrainChunk
+from lorafleet.server.ops.scheduler import Partial, PendingSample, TrainChunk
+from lorafleet.server.ops.types import (
+    CreateFromState,
+    CreateModel,
+    Forward,
+    ForwardBackward,
+    Job,
+    LoadWeights,
+    OptimStep,
+    Refused,
+    Sample,
+    SaveExternal,
+    SaveSampler,
+    SaveWeights,
+)
 from lorafleet.server.state import ids
 from lorafleet.server.state.retention import EphemeralRetention
 from lorafleet.server.state.store import CheckpointRow, SamplingSessionRow, Store
@@ -103,56 +116,54 @@ class Executor:
         self.sample_batches = SampleBatches(self.sampler, store, self.publisher, share_weight)
 
     # ================================================================== control ops
-    def run_control(self, op: Op) -> Result:
-        handler = {
-            "fail": self._fail,
-            "create_model": self.adapters.create_model,
-            "create_from_state": self.adapters.create_from_state,
-            "load_weights": self.adapters.load_weights,
-            "save_weights": self._save_weights,
-            "save_sampler": self._save_sampler,
-            "save_external": self._save_external,
-        }.get(op.kind)
-        if handler is None:
-            raise RuntimeError(f"no handler for control op {op.kind!r}")
+    def run_control(self, job: Job) -> Result:
         try:
-            return handler(op)
+            return self._control(job)
         except ApiError as exc:
             return Result.error(exc)
 
-    def _fail(self, op: Op) -> Result:
-        return Result.error(op.payload)
+    def _control(self, job: Job) -> Result:
+        op = job.op
+        match op:
+            case CreateModel():
+                return self.adapters.create_model(job, op)
+            case CreateFromState():
+                return self.adapters.create_from_state(job, op)
+            case LoadWeights():
+                return self.adapters.load_weights(job, op)
+            case SaveWeights():
+                path = self.checkpoints.save_state(job.tenant, self.live.get(job.model_id), op)
+                return Result.json({"path": path, "type": "save_weights"})
+            case SaveExternal():
+                path = self.checkpoints.save_external(job.tenant, self.live.get(job.model_id), op)
+                return Result.json({"path": path, "type": "save_weights_external"})
+            case SaveSampler():
+                return self._save_sampler(job, op)
+            case Refused():
+                return Result.error(op.error)
+            case Forward() | ForwardBackward() | OptimStep() | Sample():
+                raise RuntimeError(f"{job.request_id}: a {op.kind} op is not a control op")
+            case _:
+                assert_never(op)
 
-    def _save_weights(self, op: Op) -> Result:
-        args: SaveArgs = op.payload
-        live = self.live.get(op.model_id)
-        path = self.checkpoints.save_state(op.tenant, live, args)
-        return Result.json({"path": path, "type": "save_weights"})
-
-    def _save_external(self, op: Op) -> Result:
-        args: SaveExternalArgs = op.payload
-        path = self.checkpoints.save_external(op.tenant, self.live.get(op.model_id), args)
-        return Result.json({"path": path, "type": "save_weights_external"})
-
-    def _save_sampler(self, op: Op) -> Result:
+    def _save_sampler(self, job: Job, op: SaveSampler) -> Result:
         """A named save is a sampler checkpoint; an unnamed one (save_weights_and_get_sampling_client)
         publishes an ephemeral version and opens a sampling session on it."""
-        args: SaveSamplerArgs = op.payload
-        live = self.live.get(op.model_id)
-        if args.name is not None:
-            path = self.checkpoints.save_sampler(op.tenant, live, args.name, args)
+        live = self.live.get(job.model_id)
+        if op.name is not None:
+            path = self.checkpoints.save_sampler(job.tenant, live, op.name, op)
             return Result.json({"path": path, "type": "save_weights_for_sampler"})
-        assert args.sampling_session_seq_id is not None
-        sampler_id = ids.sampling_session_id(live.session_id, args.sampling_session_seq_id)
+        assert op.sampling_session_seq_id is not None
+        sampler_id = ids.sampling_session_id(live.session_id, op.sampling_session_seq_id)
         if self.store.get_sampling_session(sampler_id) is not None:
             raise UserError(
-                f"sampling_session_seq_id {args.sampling_session_seq_id} is already used in session {live.session_id}"
+                f"sampling_session_seq_id {op.sampling_session_seq_id} is already used in session {live.session_id}"
             )
-        adapter_id, version = self.publisher.publish_ephemeral(live, inflight=args.inflight)
+        adapter_id, version = self.publisher.publish_ephemeral(live, inflight=op.inflight)
         self.store.add_sampling_session(
             SamplingSessionRow(
                 sampler_id,
-                op.tenant,
+                job.tenant,
                 live.session_id,
                 live.base_model,
                 None,
@@ -173,18 +184,18 @@ class Executor:
 
     # ================================================================== batches
     def run_train(self, chunks: list[TrainChunk]) -> list[Result | Partial]:
-        with self.live.hold(c.op.model_id for c in chunks):  # the batch's runs stay in their slots
+        with self.live.hold(c.job.model_id for c in chunks):  # the batch's runs stay in their slots
             return self.train_batches.forward_backward(chunks)
 
-    def run_optim(self, ops: list[Op]) -> list[Result]:
-        with self.live.hold(op.model_id for op in ops):
-            return self.train_batches.optim_step(ops)
+    def run_optim(self, jobs: list[Job]) -> list[Result]:
+        with self.live.hold(job.model_id for job in jobs):
+            return self.train_batches.optim_step(jobs)
 
-    def run_sample(self, ops: list[Op]) -> list[Result]:
-        return self.sample_batches.run(ops)
+    def run_sample(self, jobs: list[Job]) -> list[Result]:
+        return self.sample_batches.run(jobs)
 
-    def start_sample(self, ops: list[Op]) -> list[Result | PendingSample]:
-        return self.sample_batches.start(ops)
+    def start_sample(self, jobs: list[Job]) -> list[Result | PendingSample]:
+        return self.sample_batches.start(jobs)
 
     def step_sampler(self) -> bool:
         return self.sample_batches.step()

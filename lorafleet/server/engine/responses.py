@@ -13,7 +13,7 @@ import torch
 from tinker.proto import tinker_public_pb2 as pb
 
 from lorafleet.sample.types import PromptAltTokens, SampleResult, TopK
-from lorafleet.server.ops.payloads import PromptTargets
+from lorafleet.server.ops.types import PromptTargets
 
 EMPTY_TOPK_LOGPROB = -99999.0  # what the SDK expects in unused top-k cells
 

@@ -24,13 +24,13 @@ from lorafleet.server.errors import (
     strip_paths,
 )
 from lorafleet.server.ops.futures import Result
-from lorafleet.server.ops.payloads import SampleArgs
-from lorafleet.server.ops.scheduler import Op, PendingSample
+from lorafleet.server.ops.scheduler import PendingSample
+from lorafleet.server.ops.types import Job, Sample, sample_op
 from lorafleet.server.state import public_checkpoints
 from lorafleet.server.state.retention import VersionKey
 from lorafleet.server.state.store import Store
 
-Batch = list[tuple[int, SampleArgs, SampleRequest]]
+Batch = list[tuple[int, Sample, SampleRequest]]
 """(index of the op, its arguments, the sampler's request) for the ops that passed their checks."""
 
 
@@ -38,7 +38,7 @@ def _not_run() -> Result:
     return Result.error(UserError("request was not run"))
 
 
-def _result(output: SampleResult, args: SampleArgs) -> Result:
+def _result(output: SampleResult, args: Sample) -> Result:
     if output.error is not None and output.error.code == "engine_unavailable":
         # the rollout replicas are down or restarting: the request is fine, retry it later
         return Result.error(ServerFault(f"sample: {strip_paths(output.error.message)}", status=503))
@@ -52,7 +52,8 @@ def _result(output: SampleResult, args: SampleArgs) -> Result:
             topk_sample=args.topk_sample,
             last_n=args.last_n,
             targets=args.targets,
-        )
+        ),
+        sampled_tokens=sum(len(seq.tokens) for seq in output.sequences),
     )
 
 
@@ -70,20 +71,20 @@ class SampleBatches:
         self.publisher = publisher  # which version of a checkpoint or ephemeral save is current
         self.ephemeral_limit = publisher.ephemeral_limit  # named in the error for one that is gone
 
-    def run(self, ops: list[Op]) -> list[Result]:
-        """Runs the ops' samples to completion in one call (samplers without a running batch)."""
-        results, batch = self._requests(ops)
+    def run(self, jobs: list[Job]) -> list[Result]:
+        """Runs the jobs' samples to completion in one call (samplers without a running batch)."""
+        results, batch = self._requests(jobs)
         if batch:
             outputs = self.sampler.generate([request for _, _, request in batch])
             for (i, args, _), output in zip(batch, outputs, strict=True):
                 results[i] = _result(output, args)
         return [r if r is not None else _not_run() for r in results]
 
-    def start(self, ops: list[Op]) -> list[Result | PendingSample]:
-        """Queues the ops' samples into the sampler's running batch (continuous batching across
+    def start(self, jobs: list[Job]) -> list[Result | PendingSample]:
+        """Queues the jobs' samples into the sampler's running batch (continuous batching across
         requests that arrive at different times); the scheduler then calls `step`. A sampler
         whose batches run elsewhere (Ray replicas) completes them inside `submit`."""
-        results, batch = self._requests(ops)
+        results, batch = self._requests(jobs)
         items: list[Result | PendingSample] = [r if r is not None else _not_run() for r in results]
         if batch:
             futures = self.sampler.submit([request for _, _, request in batch])
@@ -95,13 +96,13 @@ class SampleBatches:
         """One step of the running sample batch; False when it had nothing to do."""
         return bool(self.sampler.step())
 
-    def _requests(self, ops: list[Op]) -> tuple[list[Result | None], Batch]:
-        results: list[Result | None] = [None] * len(ops)
+    def _requests(self, jobs: list[Job]) -> tuple[list[Result | None], Batch]:
+        results: list[Result | None] = [None] * len(jobs)
         batch: Batch = []
-        for i, op in enumerate(ops):
-            args: SampleArgs = op.payload
+        for i, job in enumerate(jobs):
+            args = sample_op(job)
             try:
-                key = self._version(args, op.tenant)
+                key = self._version(args, job.tenant)
             except ApiError as exc:
                 results[i] = Result.error(exc)
                 continue
@@ -110,8 +111,8 @@ class SampleBatches:
                 params=args.params,
                 adapter=key,
                 num_samples=args.num_samples,
-                share_key=op.tenant,  # admission takes turns between tenants
-                share_weight=self.share_weight(op.tenant),
+                share_key=job.tenant,  # admission takes turns between tenants
+                share_weight=self.share_weight(job.tenant),
                 prompt_logprobs=args.prompt_logprobs,
                 topk_prompt_logprobs=args.topk_prompt,
                 topk_sample_logprobs=args.topk_sample,
@@ -122,7 +123,7 @@ class SampleBatches:
             batch.append((i, args, request))
         return results, batch
 
-    def _version(self, args: SampleArgs, tenant: str) -> VersionKey | None:
+    def _version(self, args: Sample, tenant: str) -> VersionKey | None:
         """The published version the request samples from (None: the base), published again
         from its checkpoint's files if the sampler let it go. Another tenant's checkpoint is
         checked for publication at every request, not only when the sampling client was made:

@@ -25,8 +25,8 @@ from lorafleet.server.engine import faults, responses
 from lorafleet.server.engine.live_models import LiveModels
 from lorafleet.server.errors import ServerFault, UserError, exception_text
 from lorafleet.server.ops.futures import Result
-from lorafleet.server.ops.payloads import ForwardBackwardCall
-from lorafleet.server.ops.scheduler import Op, Partial, TrainChunk
+from lorafleet.server.ops.scheduler import Partial, TrainChunk
+from lorafleet.server.ops.types import ForwardBackward, Job, optim_op
 from lorafleet.train.engine import ItemOutput, PreparedItem, TrainItem
 from lorafleet.train.losses import merge_metrics
 
@@ -44,43 +44,6 @@ class ChunkOutput:
     metrics: list[dict[str, float]]
 
 
-def datum_tokens(op: Op) -> list[int]:
-    """The tokens of each datum of a forward(_backward) op: what fair share counts."""
-    call: ForwardBackwardCall = op.payload
-    return [int(d.tokens.numel()) for d in call.data]
-
-
-SHARING_WINDOW = 16
-"""How many earlier datums of a call `datum_costs` compares each datum with: the turns of an
-episode and the samples of a group come next to each other in the cookbook's and our RL job's
-batches, and a bound keeps measuring a call linear in its tokens."""
-
-
-def datum_costs(op: Op) -> list[int]:
-    """What fair share counts for each datum of a forward(_backward) op: its tokens past the
-    longest prefix it shares with one of the call's previous `SHARING_WINDOW` datums (at least
-    one). The trainer runs a shared prefix once (train/prefix_trie.py), but only among datums of
-    one round: counting raw tokens cut a multi-turn call into rounds of one or two turns each,
-    and each turn recomputed the whole history. Metering still counts every token."""
-    call: ForwardBackwardCall = op.payload
-    costs: list[int] = []
-    previous: list[torch.Tensor] = []
-    for datum in call.data:
-        tokens = datum.tokens.reshape(-1)
-        shared = max((_common_prefix(tokens, other) for other in previous), default=0)
-        costs.append(max(1, int(tokens.numel()) - shared))
-        previous = [*previous[-(SHARING_WINDOW - 1) :], tokens]
-    return costs
-
-
-def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
-    n = min(int(a.numel()), int(b.numel()))
-    if n == 0:
-        return 0
-    differ = torch.nonzero(a[:n] != b[:n])
-    return int(differ[0, 0]) if differ.numel() else n
-
-
 def _user(exc: Exception, prefix: str = "", suffix: str = "") -> Result:
     return Result.error(UserError(f"{prefix}{exception_text(exc)}{suffix}"))
 
@@ -91,7 +54,7 @@ def _every_result(results: Sequence[Result | None]) -> list[Result]:
 
 def _already_ran(chunk: TrainChunk) -> str:
     """Said of a failed chunk whose call's earlier chunks already accumulated gradient."""
-    if chunk.start == 0 or chunk.op.kind != "forward_backward":
+    if chunk.start == 0 or not isinstance(chunk.call, ForwardBackward):
         return ""
     return (
         f" (this call ran in chunks over several rounds; the gradient of its datums 0-{chunk.start - 1} "
@@ -109,23 +72,21 @@ class TrainBatches:
         outputs: list[list[ItemOutput] | None] = [None] * len(chunks)
         groups: dict[bool, Group] = {False: [], True: []}
         for i, chunk in enumerate(chunks):
-            op = chunk.op
-            call: ForwardBackwardCall = op.payload
+            call = chunk.call
+            backward = isinstance(call, ForwardBackward)
             try:
-                live = self.live.get(op.model_id)
+                live = self.live.get(chunk.job.model_id)
                 data = call.data if chunk.start == 0 else call.data[chunk.start : chunk.stop]
                 items = [
                     TrainItem(live.slot, d.tokens, call.loss_fn, d.loss_inputs, call.loss_config)
                     for d in data
                 ]
                 prepared = self.trainer.prepare(items)  # a first chunk checks the whole call
-                groups[not call.forward_only].append((i, prepared[: chunk.stop - chunk.start]))
+                groups[backward].append((i, prepared[: chunk.stop - chunk.start]))
             except (UserError, ServerFault) as exc:  # ServerFault: its state could not be paged in
                 results[i] = Result.error(exc)
             except ValueError as exc:
-                results[i] = _user(
-                    exc, f"{'forward' if call.forward_only else 'forward_backward'}: "
-                )
+                results[i] = _user(exc, f"{call.kind}: ")
         for backward in (False, True):
             if groups[backward]:
                 self._run_items(chunks, groups[backward], backward, results, outputs)
@@ -181,7 +142,7 @@ class TrainBatches:
         if len(logprobs) != chunk.total:  # a bug: this call alone fails, its neighbours do not
             log.error(
                 "%s: outputs of %d datums for a call of %d (its chunks' outputs: %s)",
-                chunk.op.request_id,
+                chunk.job.request_id,
                 len(logprobs),
                 chunk.total,
                 [type(e).__name__ for e in chunk.earlier],
@@ -190,28 +151,29 @@ class TrainBatches:
         merged = merge_metrics(metrics)
         return Result.proto(responses.forward_backward_output(logprobs, merged), metrics=merged)
 
-    def optim_step(self, ops: list[Op]) -> list[Result]:
-        results: list[Result | None] = [None] * len(ops)
+    def optim_step(self, jobs: list[Job]) -> list[Result]:
+        results: list[Result | None] = [None] * len(jobs)
         by_slot: dict[int, tuple[int, OptimHParams]] = {}
-        for i, op in enumerate(ops):
+        for i, job in enumerate(jobs):
+            hparams = optim_op(job).hparams
             try:
-                live = self.live.get(op.model_id)  # paged in first, if it was paged out
+                live = self.live.get(job.model_id)  # paged in first, if it was paged out
             except (UserError, ServerFault) as exc:
                 results[i] = Result.error(exc)
                 continue
-            sent = "dimuon" if isinstance(op.payload, DimuonHParams) else "adamw"
+            sent = "dimuon" if isinstance(hparams, DimuonHParams) else "adamw"
             if sent != live.optimizer:
                 # Tinker fixes a model's optimizer at creation; a step of the other family is
                 # refused alone, before the batch, so that its neighbours still step.
                 results[i] = Result.error(
                     UserError(
-                        f"optim_step: model {op.model_id!r} was created with the {live.optimizer} "
+                        f"optim_step: model {job.model_id!r} was created with the {live.optimizer} "
                         f"optimizer; send {'DimuonParams' if live.optimizer == 'dimuon' else 'AdamParams'}"
                         f" (got {'DimuonParams' if sent == 'dimuon' else 'AdamParams'})"
                     )
                 )
                 continue
-            by_slot[live.slot] = (i, op.payload)
+            by_slot[live.slot] = (i, hparams)
         if by_slot:
             faults.point("optim_step.begin")
             metrics = self.trainer.optim_step({slot: hp for slot, (_, hp) in by_slot.items()})

@@ -1,4 +1,4 @@
-"""Parsing requests into the typed payloads the executor runs (payloads.py).
+"""Parsing JSON requests into the typed ops the scheduler runs (ops/types.py).
 
 Everything here is a pure function of the request (and of the served base's limits): no store,
 no engine. A `UserError` raised here either refuses the request at the door or, once the request
@@ -19,7 +19,7 @@ from lorafleet.sample.types import SamplingParams
 from lorafleet.server.errors import UserError
 from lorafleet.server.http import prompt_targets, schemas
 from lorafleet.server.http.served import RequestLimits, ServedBase
-from lorafleet.server.ops.payloads import CreateArgs, SampleArgs, SaveArgs, SaveSamplerArgs
+from lorafleet.server.ops.types import CreateModel, OptimStep, Sample, SaveSampler, SaveWeights
 from lorafleet.server.state.paths import checkpoint_name
 from lorafleet.train.optim import AdamHParams
 
@@ -105,14 +105,13 @@ def check_optimizer_type(optimizer_config: dict[str, Any] | None) -> None:
     optimizer_family(optimizer_config)
 
 
-def optim_hparams(params: dict[str, Any]) -> OptimHParams:
+def optim_step(params: dict[str, Any]) -> OptimStep:
     """An optim_step's hyper-parameters: AdamParams (`adam_params`, no type) or a typed
     `optimizer_params` (only dimuon in SDK 0.38). Whether they fit the model's optimizer is
     checked when the step runs, where the model is known."""
     kind = params.get("type")
-    if kind == "dimuon":
-        return dimuon_hparams(params)
-    return adam_hparams(params)
+    hparams: OptimHParams = dimuon_hparams(params) if kind == "dimuon" else adam_hparams(params)
+    return OptimStep(hparams)
 
 
 def dimuon_hparams(params: dict[str, Any]) -> DimuonHParams:
@@ -166,7 +165,7 @@ def adam_hparams(params: dict[str, Any]) -> AdamHParams:
     return hp
 
 
-def create_args(req: schemas.CreateModel, served: ServedBase) -> CreateArgs:
+def create_args(req: schemas.CreateModel, served: ServedBase) -> CreateModel:
     lora = req.lora_config
     r_max = served.max_lora_rank
     if not 1 <= lora.rank <= r_max:
@@ -178,7 +177,7 @@ def create_args(req: schemas.CreateModel, served: ServedBase) -> CreateArgs:
             "lora_config: train_attn, train_mlp and train_unembed are all false; nothing would train"
         )
     lora_dict = {**lora.model_dump(), "alpha": served.lora_alpha}
-    return CreateArgs(
+    return CreateModel(
         req.session_id,
         req.base_model,
         lora_dict,
@@ -198,8 +197,8 @@ def user_metadata(value: dict[str, Any] | None) -> dict[str, Any] | None:
         raise UserError(f"user_metadata {exc}") from None
 
 
-def save_args(req: schemas.SaveWeights) -> SaveArgs:
-    return SaveArgs(
+def save_args(req: schemas.SaveWeights) -> SaveWeights:
+    return SaveWeights(
         checkpoint_name(req.path),
         req.overwrite,
         expires_at(req.ttl_seconds),
@@ -207,7 +206,7 @@ def save_args(req: schemas.SaveWeights) -> SaveArgs:
     )
 
 
-def save_sampler_args(req: schemas.SaveWeightsForSampler) -> SaveSamplerArgs:
+def save_sampler_args(req: schemas.SaveWeightsForSampler) -> SaveSampler:
     if req.path is None and req.sampling_session_seq_id is None:
         raise UserError("save_weights_for_sampler needs a path (name) or a sampling_session_seq_id")
     if req.kind not in ("snapshot", "inflight"):
@@ -218,7 +217,7 @@ def save_sampler_args(req: schemas.SaveWeightsForSampler) -> SaveSamplerArgs:
             f"checkpoint {req.path!r} can only be a snapshot"
         )
     name = None if req.path is None else checkpoint_name(req.path)
-    return SaveSamplerArgs(
+    return SaveSampler(
         name,
         req.sampling_session_seq_id,
         expires_at(req.ttl_seconds),
@@ -241,7 +240,7 @@ PROMPT_LOGPROB_BYTES = 4
 SEQUENCE_BYTES = 32
 
 
-def response_bytes(args: SampleArgs, max_new_tokens: int) -> int:
+def response_bytes(args: Sample, max_new_tokens: int) -> int:
     """The most a sample response can take on the wire, from the request alone: every sample
     runs to `max_new_tokens` (a stop may end it sooner, never later)."""
     prompt_len = len(args.prompt)
@@ -257,7 +256,7 @@ def response_bytes(args: SampleArgs, max_new_tokens: int) -> int:
     return sampled + prompt
 
 
-def check_sample_cost(args: SampleArgs, limits: RequestLimits, context_length: int | None) -> None:
+def check_sample_cost(args: Sample, limits: RequestLimits, context_length: int | None) -> None:
     """Refuses a sample request whose response could exceed this server's caps, before it runs:
     its size is known from the request, and the memory it takes grows with it."""
     cap = limits.max_topk_logprobs
@@ -290,7 +289,7 @@ def check_sample_cost(args: SampleArgs, limits: RequestLimits, context_length: i
 
 def sample_args(
     req: schemas.Sample, adapter: tuple[str, int] | None, checkpoint_path: str | None
-) -> SampleArgs:
+) -> Sample:
     if req.record_stability_info:
         # Accepting it and recording nothing would leave a stable_reinforce run without the
         # records its loss needs; that loss is refused too (train/loss_inputs.py).
@@ -333,7 +332,7 @@ def sample_args(
         stop=p.stop,
         seed=p.seed,
     )
-    return SampleArgs(
+    return Sample(
         prompt=prompt,
         params=params,
         num_samples=req.num_samples,

@@ -16,7 +16,7 @@ import torch
 
 from lorafleet.sample.validate import MAX_PROMPT_SCORES
 from lorafleet.server.errors import UserError
-from lorafleet.server.ops.payloads import PromptTargets
+from lorafleet.server.ops.types import PromptTargets
 
 FIELD = "target_prompt_logprobs"
 _KEYS = frozenset({"data", "dtype", "shape", "sparse_crow_indices", "sparse_col_indices"})

@@ -18,7 +18,8 @@ from google.protobuf.message import DecodeError
 from tinker.proto import tinker_public_pb2 as pb
 
 from lorafleet.server.errors import UserError
-from lorafleet.server.ops.payloads import ForwardBackwardCall, WireDatum
+from lorafleet.server.ops.fair_share import datum_costs
+from lorafleet.server.ops.types import Forward, ForwardBackward, WireDatum
 
 _NUMPY_DTYPES: dict[int, tuple[str, np.dtype]] = {
     pb.DTYPE_FLOAT32: ("float32", np.dtype("<f4")),
@@ -54,18 +55,21 @@ def parse_forward_backward(body: bytes) -> pb.ForwardBackwardRequest:
     return msg
 
 
-def decode_call(msg: pb.ForwardBackwardRequest) -> ForwardBackwardCall:
+def decode_call(msg: pb.ForwardBackwardRequest) -> Forward | ForwardBackward:
+    """The request's op, its datums decoded into tensors and measured (their tokens, and what
+    fair share counts of each: `fair_share.datum_costs`)."""
     if not msg.loss_fn:
         raise UserError("loss_fn is empty")
     if not msg.data:
         raise UserError("data is empty: a forward_backward needs at least one datum")
-    return ForwardBackwardCall(
-        model_id=msg.model_id,
-        seq_id=msg.seq_id,
+    data = _data(msg)
+    op = Forward if msg.forward_only else ForwardBackward
+    return op(
         loss_fn=msg.loss_fn,
         loss_config=_loss_config(msg),
-        forward_only=msg.forward_only,
-        data=_data(msg),
+        data=data,
+        datum_tokens=tuple(int(d.tokens.numel()) for d in data),
+        datum_costs=tuple(datum_costs([d.tokens for d in data])),
     )
 
 

@@ -9,8 +9,8 @@ from typing import Any
 from lorafleet.server.errors import ApiError, Conflict, UserError
 from lorafleet.server.http import parse, schemas
 from lorafleet.server.http.served import ServedBase
-from lorafleet.server.ops.intake import Intake
-from lorafleet.server.ops.payloads import SampleArgs
+from lorafleet.server.ops.intake import Intake, Place
+from lorafleet.server.ops.types import Op, Refused
 from lorafleet.server.state import ids
 from lorafleet.server.state.keys import Tenant
 from lorafleet.server.state.ownership import Ownership
@@ -96,23 +96,15 @@ class Sampling:
             self.served.check(req.base_model)
         else:
             raise UserError("asample needs sampling_session_id, model_path or base_model")
+        op: Op
         try:
-            args = parse.sample_args(req, adapter, checkpoint_path)
-            parse.check_sample_cost(args, self.served.limits, self.served.context_length)
-            payload: SampleArgs | ApiError = args
+            op = parse.sample_args(req, adapter, checkpoint_path)
+            parse.check_sample_cost(op, self.served.limits, self.served.context_length)
         except ApiError as exc:
-            payload = exc
-        seq_id = req.seq_id if scope is not None else None
-        result = self.intake.submit(
-            tenant,
-            "sample",
-            payload,
-            fingerprint=parse.fingerprint(body),
-            scope=scope,
-            seq_id=seq_id,
-            ordered=False,
-        )
-        result["sample_sequence_ids"] = ids.sample_sequence_ids(
-            result["request_id"], req.num_samples
-        )
-        return result
+            op = Refused(exc, "sample")
+        place = Place(scope=scope, seq_id=req.seq_id if scope is not None else None)
+        promise = self.intake.submit(tenant, op, place, parse.fingerprint(body))
+        return {
+            **promise.json(),
+            "sample_sequence_ids": ids.sample_sequence_ids(promise.request_id, req.num_samples),
+        }

@@ -1,26 +1,33 @@
 """The training operations: create a model (fresh or from a checkpoint), forward/backward,
-optimizer steps, saves and loads. Each checks ownership, parses its payload (parse.py) and
-hands it to intake; the engine work happens later, on the worker."""
+optimizer steps, saves and loads. Each reads its body once into an op (ops/types.py), checks
+what the caller may name, and hands the op to intake; the engine work happens later, on the
+worker.
+
+A request for a model the caller owns always takes its seq_id's place: if its content does not
+parse, its op is a `Refused` holding the error, which fails in the model's order."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from lorafleet.server.errors import UserError
+from lorafleet.server.errors import ApiError, UserError
 from lorafleet.server.http import parse, proto, schemas
 from lorafleet.server.http.served import ServedBase
-from lorafleet.server.ops.intake import Intake
-from lorafleet.server.ops.payloads import (
-    FromStateArgs,
-    LoadArgs,
-    SaveArgs,
-    SaveExternalArgs,
-    SaveSamplerArgs,
-)
+from lorafleet.server.ops.intake import Intake, Place
+from lorafleet.server.ops.types import CreateFromState, LoadWeights, Op, Refused, SaveExternal
 from lorafleet.server.state import external_weights, ids
 from lorafleet.server.state.keys import Tenant
 from lorafleet.server.state.ownership import Ownership
 from lorafleet.server.state.paths import checkpoint_name, parse_tinker_path
+
+
+def op_or_refusal(kind: str, build: Callable[[], Op]) -> Op:
+    """The op `build` parses, or a `Refused` op holding the error that stopped it."""
+    try:
+        return build()
+    except ApiError as exc:
+        return Refused(exc, kind)
 
 
 class Training:
@@ -32,97 +39,82 @@ class Training:
         self.served = served
         self.max_body_bytes = max_body_bytes
 
+    def _to_model(
+        self, tenant: Tenant, model_id: str, seq_id: int, op: Op, fingerprint: str
+    ) -> dict[str, Any]:
+        row = self.ownership.model(tenant, model_id)
+        return self.intake.submit_to_model(tenant, row, seq_id, op, fingerprint).json()
+
+    def refuse_in_order(self, tenant: Tenant, body: Any, error: ApiError, fingerprint: str) -> None:
+        """Records `error` as the result of the seq_id a body names, when the body names one of
+        the caller's models: a request the server refuses before parsing it as an operation (an
+        unknown route) has still been numbered by the SDK, and leaving its seq_id empty would
+        hold up the model's later requests until the gap timeout. Raises what stops the
+        recording (a foreign model: NotFound; the seq_id used by another request: Conflict)."""
+        if not isinstance(body, dict):
+            return
+        model_id, seq_id = body.get("model_id"), body.get("seq_id")
+        if not isinstance(model_id, str) or type(seq_id) is not int or seq_id < 1:
+            return
+        self._to_model(tenant, model_id, seq_id, Refused(error, "unknown_route"), fingerprint)
+
     def create_model(self, tenant: Tenant, body: Any) -> dict[str, Any]:
         req = schemas.parse(schemas.CreateModel, body)
         self.ownership.session(tenant, req.session_id)
         self.served.check(req.base_model)
         parse.check_optimizer_type(req.optimizer_config)
-        args = parse.create_args(req, self.served)
+        op = parse.create_args(req, self.served)
         model_id = ids.model_id(req.session_id, req.model_seq_id)
-        fingerprint = parse.fingerprint(body)
         self.intake.check_new_model(model_id)
-        return self.intake.submit(
-            tenant,
-            "create_model",
-            args,
-            fingerprint=fingerprint,
-            model_id=model_id,
-            scope=model_id,
-            seq_id=0,
-            ordered=False,
-        )
+        place = Place(model_id, model_id, seq_id=0)
+        return self.intake.submit(tenant, op, place, parse.fingerprint(body)).json()
 
     def forward_backward(
         self, tenant: Tenant, raw: bytes, content_encoding: str | None
     ) -> dict[str, Any]:
+        """The body is decompressed, parsed, decoded into tensors and measured here, once."""
         raw = parse.decode_body(raw, content_encoding, self.max_body_bytes)
         msg = proto.parse_forward_backward(raw)
+        row = self.ownership.model(tenant, msg.model_id)  # 404 before the data is decoded
         kind = "forward" if msg.forward_only else "forward_backward"
-        return self.intake.submit_for_model(
-            tenant,
-            msg.model_id,
-            msg.seq_id,
-            kind,
-            lambda: proto.decode_call(msg),
-            parse.fingerprint(raw),
-        )
+        op = op_or_refusal(kind, lambda: proto.decode_call(msg))
+        promise = self.intake.submit_to_model(tenant, row, msg.seq_id, op, parse.fingerprint(raw))
+        return promise.json()
 
     def optim_step(self, tenant: Tenant, body: Any) -> dict[str, Any]:
         req = schemas.parse(schemas.OptimStep, body)
-        return self.intake.submit_for_model(
-            tenant,
-            req.model_id,
-            req.seq_id,
-            "optim_step",
-            lambda: parse.optim_hparams(req.optim_params),
-            parse.fingerprint(body),
-        )
+        op = op_or_refusal("optim_step", lambda: parse.optim_step(req.optim_params))
+        return self._to_model(tenant, req.model_id, req.seq_id, op, parse.fingerprint(body))
 
     def save_weights(self, tenant: Tenant, body: Any) -> dict[str, Any]:
         req = schemas.parse(schemas.SaveWeights, body)
-
-        def build() -> SaveArgs:
-            return parse.save_args(req)
-
-        return self.intake.submit_for_model(
-            tenant, req.model_id, req.seq_id, "save_weights", build, parse.fingerprint(body)
-        )
+        op = op_or_refusal("save_weights", lambda: parse.save_args(req))
+        return self._to_model(tenant, req.model_id, req.seq_id, op, parse.fingerprint(body))
 
     def save_for_sampler(self, tenant: Tenant, body: Any) -> dict[str, Any]:
         req = schemas.parse(schemas.SaveWeightsForSampler, body)
-
-        def build() -> SaveSamplerArgs:
-            return parse.save_sampler_args(req)
-
+        op = op_or_refusal("save_sampler", lambda: parse.save_sampler_args(req))
         # The SDK draws a new sampling_session_seq_id on every attempt of the same request
         # (save_weights_and_get_sampling_client), so it is left out of the retry fingerprint: a
         # retry whose first attempt reached us gets that attempt's future (whose result names
         # the sampling session actually created), not a "different request" conflict.
         same_request = {k: v for k, v in body.items() if k != "sampling_session_seq_id"}
-        return self.intake.submit_for_model(
-            tenant,
-            req.model_id,
-            req.seq_id,
-            "save_sampler",
-            build,
-            parse.fingerprint(same_request),
-        )
+        return self._to_model(tenant, req.model_id, req.seq_id, op, parse.fingerprint(same_request))
 
     def save_weights_external(self, tenant: Tenant, body: Any) -> dict[str, Any]:
         """A PEFT export for download (external_weights.py), in the model's seq_id order like
         any save; the recipients are checked here, before the engine writes anything."""
         req = schemas.parse(schemas.SaveWeightsExternal, body)
 
-        def build() -> SaveExternalArgs:
-            return SaveExternalArgs(
+        def build() -> SaveExternal:
+            return SaveExternal(
                 checkpoint_name(req.path),
                 external_weights.parse_recipients(req.age_encryption_recipients),
                 parse.expires_at(req.ttl_seconds),
             )
 
-        return self.intake.submit_for_model(
-            tenant, req.model_id, req.seq_id, "save_external", build, parse.fingerprint(body)
-        )
+        op = op_or_refusal("save_external", build)
+        return self._to_model(tenant, req.model_id, req.seq_id, op, parse.fingerprint(body))
 
     def load_weights(self, tenant: Tenant, body: Any) -> dict[str, Any]:
         """Two requests share this route: create-from-state (session_id + model_seq_id) and the
@@ -145,7 +137,7 @@ class Training:
             parse.check_optimizer_type(req.optimizer_config)
             model_id = ids.model_id(req.session_id, req.model_seq_id)
             self.intake.check_new_model(model_id)
-            args = FromStateArgs(
+            op = CreateFromState(
                 req.session_id,
                 req.base_model,
                 checkpoint,
@@ -155,27 +147,19 @@ class Training:
                 if req.optimizer_config is None
                 else parse.optimizer_family(req.optimizer_config),
             )
-            return self.intake.submit(
-                tenant,
-                "create_from_state",
-                args,
-                fingerprint=fingerprint,
-                model_id=model_id,
-                scope=model_id,
-                seq_id=0,
-                ordered=False,
-            )
+            place = Place(model_id, model_id, seq_id=0)
+            return self.intake.submit(tenant, op, place, fingerprint).json()
         if req.model_id is not None and req.seq_id is not None:
+            row = self.ownership.model(tenant, req.model_id)
 
-            def build() -> LoadArgs:
+            def build() -> LoadWeights:
                 checkpoint = self.ownership.readable_checkpoint(
                     tenant, parse_tinker_path(req.path), with_optimizer=req.optimizer
                 )
-                return LoadArgs(checkpoint, req.optimizer)
+                return LoadWeights(checkpoint, req.optimizer)
 
-            return self.intake.submit_for_model(
-                tenant, req.model_id, req.seq_id, "load_weights", build, fingerprint
-            )
+            load = op_or_refusal("load_weights", build)
+            return self.intake.submit_to_model(tenant, row, req.seq_id, load, fingerprint).json()
         raise UserError(
             "load_weights needs session_id + model_seq_id (create from state) or model_id + seq_id (load_state)"
         )

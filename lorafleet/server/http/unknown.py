@@ -15,10 +15,10 @@ from fastapi import FastAPI, Request
 from lorafleet.server.errors import ApiError, NotFound
 from lorafleet.server.http import API, parse, schemas
 from lorafleet.server.http.bodies import BodyReader, tenant
-from lorafleet.server.ops.intake import Intake
+from lorafleet.server.http.training import Training
 
 
-def add_routes(app: FastAPI, intake: Intake, bodies: BodyReader) -> None:
+def add_routes(app: FastAPI, training: Training, bodies: BodyReader) -> None:
     """Call last: a route registered after this one would never be reached by a POST."""
 
     @app.post(API + "/{route:path}")
@@ -34,7 +34,7 @@ def add_routes(app: FastAPI, intake: Intake, bodies: BodyReader) -> None:
             raise error from None  # not JSON: no model or seq_id to account for
         fingerprint = parse.fingerprint(raw + route.encode())
         try:
-            intake.consume_seq(who, body, error, fingerprint)
+            training.refuse_in_order(who, body, error, fingerprint)
         except ApiError as exc:
             raise NotFound(f"{error.message}; its seq_id was not recorded: {exc.message}") from None
         raise error

@@ -31,8 +31,8 @@ from lorafleet.server.openai.errors import from_failed_result as failed
 from lorafleet.server.openai.models import Models, Target
 from lorafleet.server.openai.text import Incremental, Text, cut_at_stop, safe_prefix
 from lorafleet.server.ops.futures import FutureTable, Result
-from lorafleet.server.ops.intake import Intake
-from lorafleet.server.ops.payloads import SampleArgs
+from lorafleet.server.ops.intake import Intake, Place
+from lorafleet.server.ops.types import Sample
 from lorafleet.server.state.keys import Tenant
 
 log = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ class Completions:
         stop: list[str] | None = None
         if ask.stop:
             stop = list(dict.fromkeys([*ask.stop, *self.text.eos_strings()]))
-        args = SampleArgs(
+        args = Sample(
             prompt=ask.prompt,
             params=SamplingParams(
                 max_tokens=ask.max_tokens,
@@ -149,10 +149,8 @@ class Completions:
         except UserError as exc:
             field = "max_completion_tokens" if ask.chat else "max_tokens"
             raise OpenAIError(exc.message, field) from None
-        promise = self.intake.submit(
-            tenant, "sample", args, fingerprint=parse.fingerprint(raw), ordered=False
-        )
-        return str(promise["request_id"])
+        promise = self.intake.submit(tenant, args, Place(), parse.fingerprint(raw))
+        return promise.request_id
 
     async def result(self, tenant: Tenant, rid: str) -> list[render.Sampled]:
         loop = asyncio.get_running_loop()

@@ -5,26 +5,34 @@ the engine is only ever touched from that thread."""
 from __future__ import annotations
 
 from concurrent.futures import Future
+from typing import Protocol
 
-from lorafleet.server.engine.executor import Executor
 from lorafleet.server.ops.scheduler import Scheduler
 from lorafleet.server.state.store import CheckpointRow
 
 
+class Upkeep(Protocol):
+    """What the engine does besides running ops (the executor implements it)."""
+
+    def unload_models(self, model_ids: list[str]) -> None: ...
+
+    def delete_checkpoint(self, checkpoint: CheckpointRow) -> None: ...
+
+
 class EngineCalls:
-    def __init__(self, scheduler: Scheduler, executor: Executor):
+    def __init__(self, scheduler: Scheduler, engine: Upkeep):
         self.scheduler = scheduler
-        self.executor = executor
+        self.engine = engine
 
     def unload_models(self, model_ids: list[str], reason: str) -> Future[None]:
         """Frees the models' adapter slots and fails what they still have queued with `reason`."""
 
         def unload() -> None:
-            self.executor.unload_models(model_ids)
+            self.engine.unload_models(model_ids)
             for model_id in model_ids:
                 self.scheduler.forget_model(model_id, reason)
 
         return self.scheduler.call(unload)
 
     def delete_checkpoint(self, row: CheckpointRow) -> Future[None]:
-        return self.scheduler.call(lambda: self.executor.delete_checkpoint(row))
+        return self.scheduler.call(lambda: self.engine.delete_checkpoint(row))

@@ -32,6 +32,8 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass(frozen=True)
 class Work:
@@ -52,6 +54,37 @@ class Take:
     start: int
     stop: int
     tokens: int
+
+
+SHARING_WINDOW = 16
+"""How many earlier datums of a call `datum_costs` compares each datum with: the turns of an
+episode and the samples of a group come next to each other in the cookbook's and our RL job's
+batches, and a bound keeps measuring a call linear in its tokens."""
+
+
+def datum_costs(tokens: Sequence[torch.Tensor]) -> list[int]:
+    """What fair share counts for each datum of a forward(_backward) call, given each datum's
+    token ids: its tokens past the longest prefix it shares with one of the call's previous
+    `SHARING_WINDOW` datums (at least one). The trainer runs a shared prefix once
+    (train/prefix_trie.py), but only among datums of one round: counting raw tokens cut a
+    multi-turn call into rounds of one or two turns each, and each turn recomputed the whole
+    history. Metering still counts every token."""
+    costs: list[int] = []
+    previous: list[torch.Tensor] = []
+    for datum in tokens:
+        flat = datum.reshape(-1)
+        shared = max((_common_prefix(flat, other) for other in previous), default=0)
+        costs.append(max(1, int(flat.numel()) - shared))
+        previous = [*previous[-(SHARING_WINDOW - 1) :], flat]
+    return costs
+
+
+def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
+    n = min(int(a.numel()), int(b.numel()))
+    if n == 0:
+        return 0
+    differ = torch.nonzero(a[:n] != b[:n])
+    return int(differ[0, 0]) if differ.numel() else n
 
 
 def check_weight(tenant: str, weight: float) -> float:

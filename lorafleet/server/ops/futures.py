@@ -51,6 +51,8 @@ class Result:
     # A forward(_backward)'s merged metrics beside its body, for the work hook (the console's
     # loss points) to read without parsing the body again; never stored or sent.
     metrics: Mapping[str, float] | None = field(default=None, compare=False, repr=False)
+    # A sample's tokens generated, for metering (never parsed back out of the body).
+    sampled_tokens: int = field(default=0, compare=False, repr=False)
 
     @staticmethod
     def json(obj: object) -> Result:
@@ -59,8 +61,10 @@ class Result:
         return Result(JSON, json.dumps(obj).encode())
 
     @staticmethod
-    def proto(body: bytes, metrics: Mapping[str, float] | None = None) -> Result:
-        return Result(PROTOBUF, body, metrics=metrics)
+    def proto(
+        body: bytes, metrics: Mapping[str, float] | None = None, sampled_tokens: int = 0
+    ) -> Result:
+        return Result(PROTOBUF, body, metrics=metrics, sampled_tokens=sampled_tokens)
 
     @staticmethod
     def error(err: ApiError) -> Result:

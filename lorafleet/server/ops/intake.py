@@ -1,42 +1,68 @@
-"""Turning a parsed request into a future and an op in the scheduler, deduplicated by seq_id.
+"""A typed op in, a future and a queued job out: the one door between the HTTP stage and the
+scheduler.
 
-Per (scope, seq_id) there is one future: a retry with the same content gets the original one, a
-different request under a used seq_id is a conflict. Once a request names a model the caller
-owns and a seq_id, it takes that seq_id's place in the model's order even if its content is bad:
-it becomes a future that fails with a user error. Refusing it at the door would leave a gap that
-the model's later requests wait on.
+The HTTP stage has already parsed the request into an `Op` (or a `Refused` holding the error
+its parsing raised) and checked that the caller may name what it names. Here, in one pass:
 
-Two refusals happen at the door all the same, before anything is recorded: over one of the
-tenant's quotas (403, quotas.py; an ordered request's seq_id still takes its place, as a failed
-operation, since the SDK does not retry a 403) and past the queue bound (429, admission.py; the
-seq_id is not recorded, because the SDK retries a 429 with the same one).
+1. a model that is no longer loaded turns the op into a `Refused` (failed at once, not in order);
+2. dedup on `(scope, seq_id)`: a retry with the same content gets the original future, a
+   different request under a used seq_id is a conflict;
+3. quotas (403, quotas.py): the request's cost is reserved, or it is refused; an ordered
+   request's seq_id still takes its place as a failed operation, since the SDK does not retry
+   a 403;
+4. the queue bound (429, admission.py): nothing is recorded, because the SDK retries a 429
+   with the same seq_id;
+5. the future is recorded and the job queued.
+
+Once a request names a model the caller owns and a seq_id, it takes that seq_id's place in
+the model's order even if its content is bad: a `Refused` op fails in order. Refusing it at
+the door would leave a gap that the model's later requests wait on.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
 
-from lorafleet.server.errors import ApiError, Conflict, UserError
+from lorafleet.server.errors import Conflict, UserError
 from lorafleet.server.ops.admission import Admission
 from lorafleet.server.ops.futures import FutureTable, Result
 from lorafleet.server.ops.quotas import QuotaExceeded, Quotas
-from lorafleet.server.ops.scheduler import Op, Scheduler
+from lorafleet.server.ops.scheduler import Scheduler
+from lorafleet.server.ops.types import Job, Op, Refused
 from lorafleet.server.state import ids
 from lorafleet.server.state.keys import Tenant
-from lorafleet.server.state.ownership import Ownership
-from lorafleet.server.state.store import Store
+from lorafleet.server.state.store import ModelRow, Store
 
 _NOT_LOADED_BECAUSE = {"lost": "the server restarted", "unloaded": "its session finished"}
 
 
-def promise(request_id: str, model_id: str | None = None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Promise:
     """The SDK's UntypedAPIFuture."""
-    return (
-        {"request_id": request_id}
-        if model_id is None
-        else {"request_id": request_id, "model_id": model_id}
-    )
+
+    request_id: str
+    model_id: str | None = None
+
+    def json(self) -> dict[str, str]:
+        if self.model_id is None:
+            return {"request_id": self.request_id}
+        return {"request_id": self.request_id, "model_id": self.model_id}
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a request sits: its model (None: not a model's request), the scope its seq_id is
+    deduplicated in (a model or a sampling session), and whether that seq_id orders it."""
+
+    model_id: str | None = None
+    scope: str | None = None
+    seq_id: int | None = None
+    ordered: bool = False
+
+    @staticmethod
+    def in_model(model_id: str, seq_id: int) -> Place:
+        return Place(model_id, model_id, seq_id, ordered=True)
 
 
 class Intake:
@@ -45,7 +71,6 @@ class Intake:
         store: Store,
         futures: FutureTable,
         scheduler: Scheduler,
-        ownership: Ownership,
         before_submit: Callable[[], None],
         *,
         admission: Admission | None = None,
@@ -58,7 +83,6 @@ class Intake:
         self.store = store
         self.futures = futures
         self.scheduler = scheduler
-        self.ownership = ownership
         self.before_submit = before_submit
         self.admission = admission
         self.quotas = quotas
@@ -72,6 +96,86 @@ class Intake:
         ):
             raise Conflict(f"model {model_id!r} already exists")
 
+    def submit_to_model(
+        self, tenant: Tenant, model: ModelRow, seq_id: int, op: Op, fingerprint: str
+    ) -> Promise:
+        """An op on one of the caller's models (`model`: its row, ownership already checked),
+        in the model's seq_id order."""
+        if model.status != "active":
+            reason = _NOT_LOADED_BECAUSE.get(model.status, model.status)
+            refused = Refused(
+                UserError(
+                    f"model {model.model_id!r} is not loaded any more ({reason}); resume it from "
+                    "a checkpoint with create_training_client_from_state"
+                ),
+                op.kind,
+            )
+            place = Place(model.model_id, model.model_id, seq_id, ordered=False)
+            return self.submit(tenant, refused, place, fingerprint)
+        self.store.touch_model(model.model_id)
+        return self.submit(tenant, op, Place.in_model(model.model_id, seq_id), fingerprint)
+
+    def submit(self, tenant: Tenant, op: Op, place: Place, fingerprint: str) -> Promise:
+        """Records `op` as a future and queues it, or answers a retry with its first future. A
+        `Refused` op fails in its model's order when `place.ordered`, at once otherwise."""
+        self.before_submit()
+        if place.scope is not None and place.seq_id is not None:
+            prior = self._prior(tenant, place.scope, place.seq_id, fingerprint)
+            if prior is not None:
+                return Promise(prior, place.model_id)
+        request_id = ids.new_request_id()
+        failed_now = isinstance(op, Refused) and not place.ordered
+        reserved: dict[str, float] = {}
+        if self.quotas is not None and not isinstance(op, Refused):
+            try:
+                reserved = self.quotas.check(tenant.id, op, place.model_id)
+            except QuotaExceeded as exc:
+                if place.ordered:
+                    # The refusal still takes the seq_id's place (a failed operation), so the
+                    # model's later requests do not wait on a gap for a call never retried.
+                    self.submit(tenant, Refused(exc, op.kind), place, fingerprint)
+                raise
+        if self.admission is not None and not failed_now:
+            limit = (
+                None if self.quotas is None else self.quotas.tenancy.quotas(tenant.id).queued_ops
+            )
+            self.admission.admit(
+                tenant.id,
+                request_id,
+                place.model_id,
+                place.seq_id if place.ordered else None,
+                limit,
+                reserved,
+            )
+        try:
+            self.futures.create(
+                request_id,
+                tenant.id,
+                kind=op.asked if isinstance(op, Refused) else op.kind,
+                scope=place.scope,
+                seq_id=place.seq_id,
+                fingerprint=fingerprint,
+            )
+        except BaseException:
+            if self.admission is not None:
+                self.admission.release(request_id)
+            raise
+        if failed_now:
+            assert isinstance(op, Refused)
+            self.futures.complete(request_id, Result.error(op.error))
+        else:
+            self.scheduler.submit(
+                Job(
+                    request_id,
+                    tenant.id,
+                    op,
+                    model_id=place.model_id,
+                    seq_id=place.seq_id if place.ordered else None,
+                    scope=place.scope or place.model_id,
+                )
+            )
+        return Promise(request_id, place.model_id)
+
     def _prior(self, tenant: Tenant, scope: str, seq_id: int, fingerprint: str) -> str | None:
         """Dedup on (scope, seq_id): a retry gets the original future, a different payload an error."""
         prior = self.store.find_future(scope, seq_id)
@@ -80,138 +184,3 @@ class Intake:
         if prior.tenant == tenant.id and prior.fingerprint == fingerprint:
             return prior.request_id
         raise Conflict(f"seq_id {seq_id} of {scope!r} was already used by a different request")
-
-    def submit(
-        self,
-        tenant: Tenant,
-        kind: str,
-        payload: Any,
-        *,
-        fingerprint: str,
-        model_id: str | None = None,
-        scope: str | None = None,
-        seq_id: int | None = None,
-        ordered: bool = True,
-    ) -> dict[str, Any]:
-        """`payload` may be the ApiError its parsing raised: the future then fails with it (in
-        the model's order when `ordered`, at once otherwise)."""
-        self.before_submit()
-        if scope is not None and seq_id is not None:
-            prior = self._prior(tenant, scope, seq_id, fingerprint)
-            if prior is not None:
-                return promise(prior, model_id)
-        request_id = ids.new_request_id()
-        failed_now = isinstance(payload, ApiError) and not ordered
-        reserved: dict[str, float] = {}
-        if self.quotas is not None and not isinstance(payload, ApiError):
-            try:
-                reserved = self.quotas.check(tenant.id, kind, payload, model_id)
-            except QuotaExceeded as exc:
-                if ordered and model_id is not None and seq_id is not None:
-                    # The refusal still takes the seq_id's place (a failed operation), so the
-                    # model's later requests do not wait on a gap for a call never retried.
-                    self.submit(
-                        tenant,
-                        kind,
-                        exc,
-                        fingerprint=fingerprint,
-                        model_id=model_id,
-                        scope=scope,
-                        seq_id=seq_id,
-                    )
-                raise
-        if self.admission is not None and not failed_now:
-            limit = (
-                None if self.quotas is None else self.quotas.tenancy.quotas(tenant.id).queued_ops
-            )
-            self.admission.admit(
-                tenant.id, request_id, model_id, seq_id if ordered else None, limit, reserved
-            )
-        try:
-            self.futures.create(
-                request_id,
-                tenant.id,
-                kind=kind,
-                scope=scope,
-                seq_id=seq_id,
-                fingerprint=fingerprint,
-            )
-        except BaseException:
-            if self.admission is not None:
-                self.admission.release(request_id)
-            raise
-        if failed_now:
-            self.futures.complete(request_id, Result.error(payload))
-        else:
-            op_kind = "fail" if isinstance(payload, ApiError) else kind
-            self.scheduler.submit(
-                Op(
-                    request_id,
-                    op_kind,
-                    tenant.id,
-                    payload,
-                    model_id=model_id,
-                    seq_id=seq_id if ordered else None,
-                    scope=scope or model_id,
-                )
-            )
-        return promise(request_id, model_id)
-
-    def submit_for_model(
-        self,
-        tenant: Tenant,
-        model_id: str,
-        seq_id: int,
-        kind: str,
-        build: Callable[[], Any],
-        fingerprint: str,
-    ) -> dict[str, Any]:
-        """An ordered operation on a model; `build()` parses the payload (errors fail the future)."""
-        row = self.ownership.model(tenant, model_id)
-        try:
-            payload = build()
-        except ApiError as exc:
-            payload = exc
-        if row.status != "active":
-            reason = _NOT_LOADED_BECAUSE.get(row.status, row.status)
-            payload = UserError(
-                f"model {model_id!r} is not loaded any more ({reason}); resume it from a checkpoint with "
-                "create_training_client_from_state"
-            )
-            return self.submit(
-                tenant,
-                kind,
-                payload,
-                fingerprint=fingerprint,
-                model_id=model_id,
-                scope=model_id,
-                seq_id=seq_id,
-                ordered=False,
-            )
-        self.store.touch_model(model_id)
-        return self.submit(
-            tenant,
-            kind,
-            payload,
-            fingerprint=fingerprint,
-            model_id=model_id,
-            scope=model_id,
-            seq_id=seq_id,
-        )
-
-    def consume_seq(self, tenant: Tenant, body: Any, error: ApiError, fingerprint: str) -> None:
-        """Records `error` as the result of the seq_id a body names, when the body names one of
-        the caller's models: a request the server refuses before parsing it as an operation (an
-        unknown route) has still been numbered by the SDK, and leaving its seq_id empty would
-        hold up the model's later requests until the gap timeout. Raises what stops the
-        recording (a foreign model: NotFound; the seq_id used by another request: Conflict)."""
-        if not isinstance(body, dict):
-            return
-        model_id, seq_id = body.get("model_id"), body.get("seq_id")
-        if not isinstance(model_id, str) or type(seq_id) is not int or seq_id < 1:
-            return
-
-        def refuse() -> Any:
-            raise error
-
-        self.submit_for_model(tenant, model_id, seq_id, "unknown_route", refuse, fingerprint)

@@ -28,14 +28,25 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, assert_never
 
-from google.protobuf.message import DecodeError
-from tinker.proto import tinker_public_pb2 as pb
-
-from lorafleet.server.ops.futures import PROTOBUF, Result
-from lorafleet.server.ops.payloads import ForwardBackwardCall, SampleArgs
-from lorafleet.server.ops.scheduler import Op
+from lorafleet.server.ops.futures import Result
+from lorafleet.server.ops.types import (
+    CreateFromState,
+    CreateModel,
+    Forward,
+    ForwardBackward,
+    Job,
+    LoadWeights,
+    Meter,
+    OptimStep,
+    Refused,
+    Sample,
+    SaveExternal,
+    SaveSampler,
+    SaveWeights,
+    Stage,
+)
 from lorafleet.server.state.store import Store
 
 log = logging.getLogger(__name__)
@@ -63,55 +74,86 @@ def seconds_to_next_day(at: float) -> float:
     return (midnight - now).total_seconds()
 
 
-def fb_tokens(payload: Any) -> int:
-    if isinstance(payload, ForwardBackwardCall):
-        return sum(int(d.tokens.numel()) for d in payload.data)
-    return 0
-
-
-def sample_bound(args: SampleArgs, context_length: int | None) -> int:
+def sample_bound(op: Sample, context_length: int | None) -> int:
     """The most tokens a sample request can generate: what its quota check reserves."""
-    per_row = args.params.max_tokens
+    per_row = op.params.max_tokens
     if per_row is None:
-        per_row = max(0, (context_length or 0) - len(args.prompt))
-    return args.num_samples * per_row
+        per_row = max(0, (context_length or 0) - len(op.prompt))
+    return op.num_samples * per_row
 
 
-def sample_run(args: SampleArgs) -> str:
+def sample_run(op: Sample) -> str:
     """The training run whose weights a sample used ("" for the base model)."""
-    key = args.checkpoint_path or (args.adapter[0] if args.adapter is not None else "")
+    key = op.checkpoint_path or (op.adapter[0] if op.adapter is not None else "")
     if key.startswith("tinker://"):
         return key.removeprefix("tinker://").split("/", 1)[0]
     return key.split("#", 1)[0]
 
 
-def sampled_tokens(result: Result) -> int:
-    if result.failed or result.content_type != PROTOBUF:
-        return 0
-    try:
-        response = pb.SampleResponse.FromString(result.body)
-    except DecodeError:
-        log.exception("metering: a sample result did not decode; its tokens are not counted")
-        return 0
-    return sum(len(seq.tokens) // 4 for seq in response.sequences)  # int32 each
-
-
-def _measure(op: Op, tokens: int) -> float:
-    """An op's share of a batch's time: its tokens (training), its rows (a sampler step, where
+def _share(job: Job, tokens: int) -> float:
+    """A job's share of a batch's time: its tokens (training), its rows (a sampler step, where
     each row decodes one token), else one."""
-    if isinstance(op.payload, ForwardBackwardCall):
-        return float(max(1, tokens or fb_tokens(op.payload)))
-    if isinstance(op.payload, SampleArgs):
-        return float(op.payload.num_samples)
-    return 1.0
+    op = job.op
+    match op:
+        case Forward() | ForwardBackward():
+            return float(max(1, tokens or op.tokens))
+        case Sample():
+            return float(op.num_samples)
+        case (
+            CreateModel()
+            | CreateFromState()
+            | LoadWeights()
+            | SaveWeights()
+            | SaveSampler()
+            | SaveExternal()
+            | OptimStep()
+            | Refused()
+        ):
+            return 1.0
+        case _:
+            assert_never(op)
 
 
-def _run_of(op: Op) -> str:
-    if op.model_id is not None:
-        return op.model_id
-    if isinstance(op.payload, SampleArgs):
-        return sample_run(op.payload)
+def _run_of(job: Job) -> str:
+    if job.model_id is not None:
+        return job.model_id
+    if isinstance(job.op, Sample):
+        return sample_run(job.op)
     return ""
+
+
+def _counts(job: Job, tokens: int, result: Result | None) -> dict[Meter, float]:
+    """What a job's work adds to each of its op's meters: `tokens` it ran in this batch (a
+    training call split over rounds runs part of its tokens in each), and, once it finished
+    (`result`), what the result says it produced."""
+    op = job.op
+    match op:
+        case Forward() | ForwardBackward():
+            meter = (
+                Meter.TRAINED_TOKENS if isinstance(op, ForwardBackward) else Meter.PREFILL_TOKENS
+            )
+            return {meter: float(tokens or op.tokens)}
+        case OptimStep():
+            return {} if result is None else {Meter.OPTIMIZER_STEPS: 1.0}
+        case Sample():
+            if result is None:
+                return {}
+            return {
+                Meter.PREFILL_TOKENS: float(len(op.prompt)),
+                Meter.SAMPLED_TOKENS: float(result.sampled_tokens),
+            }
+        case (
+            CreateModel()
+            | CreateFromState()
+            | LoadWeights()
+            | SaveWeights()
+            | SaveSampler()
+            | SaveExternal()
+            | Refused()
+        ):
+            return {}
+        case _:
+            assert_never(op)
 
 
 class Metering:
@@ -168,34 +210,27 @@ class Metering:
 
     def on_work(
         self,
-        kind: str,
-        work: list[tuple[Op, int]],
+        stage: Stage,
+        work: list[tuple[Job, int]],
         seconds: float,
-        finished: list[tuple[Op, Result]],
+        finished: list[tuple[Job, Result]],
     ) -> None:
         """The scheduler's hook after each engine batch (worker thread): `work` shared the
-        batch's `seconds`, each op with the tokens it ran in it (0: not measured there; a
-        forward_backward call split over rounds runs part of its tokens in each); `finished`
-        are the ops it completed."""
-        failed = {op.request_id for op, result in finished if result.failed}
-        measured = [(op, _measure(op, tokens)) for op, tokens in work]
-        total = sum(weight for _, weight in measured)
+        batch's `seconds`, each job with the tokens it ran in it (0: not measured there);
+        `finished` are the jobs it completed. A job that failed counts nothing but its time."""
+        results = {job.request_id: result for job, result in finished}
+        shares = [(job, _share(job, tokens)) for job, tokens in work]
+        total = sum(share for _, share in shares)
         if total > 0 and seconds > 0:
-            for op, weight in measured:
-                self.record(op.tenant, _run_of(op), "compute_seconds", seconds * weight / total)
-        for op, tokens in work:
-            if op.kind in ("forward", "forward_backward") and op.request_id not in failed:
-                counter = "trained_tokens" if op.kind == "forward_backward" else "prefill_tokens"
-                self.record(op.tenant, _run_of(op), counter, tokens or fb_tokens(op.payload))
-        for op, result in finished:
-            if result.failed:
+            for job, share in shares:
+                self.record(job.tenant, _run_of(job), "compute_seconds", seconds * share / total)
+        for job, tokens in work:
+            result = results.get(job.request_id)
+            if result is not None and result.failed:
                 continue
-            if op.kind == "optim_step":
-                self.record(op.tenant, _run_of(op), "optimizer_steps", 1)
-            elif op.kind == "sample" and isinstance(op.payload, SampleArgs):
-                run = _run_of(op)
-                self.record(op.tenant, run, "prefill_tokens", len(op.payload.prompt))
-                self.record(op.tenant, run, "sampled_tokens", sampled_tokens(result))
+            if stage is Stage.TRAIN or result is not None:
+                for meter, amount in _counts(job, tokens, result).items():
+                    self.record(job.tenant, _run_of(job), meter.value, amount)
 
     def _tick_residency(self) -> None:
         if self.resident is None:

@@ -18,19 +18,32 @@ of that estimate.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import assert_never
 
 from lorafleet.server.errors import ApiError
 from lorafleet.server.ops.admission import Admission
-from lorafleet.server.ops.metering import Metering, fb_tokens, sample_bound, seconds_to_next_day
-from lorafleet.server.ops.payloads import CreateArgs, FromStateArgs, SampleArgs, SaveSamplerArgs
+from lorafleet.server.ops.metering import Metering, sample_bound, seconds_to_next_day
+from lorafleet.server.ops.types import (
+    CreateFromState,
+    CreateModel,
+    Forward,
+    ForwardBackward,
+    LoadWeights,
+    Op,
+    OptimStep,
+    Refused,
+    Sample,
+    SaveExternal,
+    SaveSampler,
+    SaveWeights,
+)
 from lorafleet.server.state.store import Store
 from lorafleet.server.state.tenants import Tenancy
 
-_SAVE_KINDS = {
-    "save_weights": ("training",),
-    "save_sampler": ("sampler",),
-    "save_external": ("external",),
+_CHECKPOINT_KINDS = {
+    SaveWeights: ("training",),
+    SaveSampler: ("sampler",),
+    SaveExternal: ("external",),
 }
 
 
@@ -84,41 +97,47 @@ class Quotas:
             message += "; ask the operator to raise it"
         return QuotaExceeded(message, retry)
 
-    def check(self, tenant: str, kind: str, payload: Any, model_id: str | None) -> dict[str, float]:
+    def check(self, tenant: str, op: Op, model_id: str | None) -> dict[str, float]:
         """Raises QuotaExceeded; returns what the request reserves against per-day quotas and
         run counts while it is queued (admission holds it)."""
         quotas = self.tenancy.quotas(tenant)
-        if kind in ("create_model", "create_from_state"):
-            rank = self._rank(payload)
-            if (
-                quotas.max_lora_rank is not None
-                and rank is not None
-                and rank > quotas.max_lora_rank
-            ):
-                raise self._refuse(tenant, "max_lora_rank", quotas.max_lora_rank, rank, rank)
-            if quotas.registered_runs is not None:
-                used = self.store.registered_runs(tenant) + self.admission.reserved(
-                    tenant, "registered_runs"
+        match op:
+            case CreateModel() | CreateFromState():
+                rank = self._rank(op)
+                if quotas.max_lora_rank is not None and rank > quotas.max_lora_rank:
+                    raise self._refuse(tenant, "max_lora_rank", quotas.max_lora_rank, rank, rank)
+                if quotas.registered_runs is not None:
+                    used = self.store.registered_runs(tenant) + self.admission.reserved(
+                        tenant, "registered_runs"
+                    )
+                    if used + 1 > quotas.registered_runs:
+                        raise self._refuse(
+                            tenant, "registered_runs", quotas.registered_runs, used, 1
+                        )
+                return {"registered_runs": 1.0}
+            case ForwardBackward():
+                return self._daily(
+                    tenant, "trained_tokens", quotas.trained_tokens_per_day, op.tokens
                 )
-                if used + 1 > quotas.registered_runs:
-                    raise self._refuse(tenant, "registered_runs", quotas.registered_runs, used, 1)
-            return {"registered_runs": 1.0}
-        if kind == "forward_backward":
-            return self._daily(
-                tenant, "trained_tokens", quotas.trained_tokens_per_day, fb_tokens(payload)
-            )
-        if kind == "sample" and isinstance(payload, SampleArgs):
-            bound = sample_bound(payload, self.context_length)
-            return self._daily(tenant, "sampled_tokens", quotas.sampled_tokens_per_day, bound)
-        if kind in _SAVE_KINDS and model_id is not None and quotas.storage_bytes is not None:
-            if isinstance(payload, SaveSamplerArgs) and payload.name is None:
-                return {}  # ephemeral: not a stored checkpoint
-            model = self.store.get_model(model_id)
-            rank = model.lora_rank if model is not None else 0
-            needs = self.store.checkpoint_size_estimate(model_id, _SAVE_KINDS[kind], rank)
-            self.check_storage(tenant, needs)
-            return {"storage_bytes": float(needs)}
-        return {}
+            case Sample():
+                bound = sample_bound(op, self.context_length)
+                return self._daily(tenant, "sampled_tokens", quotas.sampled_tokens_per_day, bound)
+            case SaveWeights() | SaveSampler() | SaveExternal():
+                if model_id is None or quotas.storage_bytes is None:
+                    return {}
+                if isinstance(op, SaveSampler) and op.name is None:
+                    return {}  # ephemeral: not a stored checkpoint
+                model = self.store.get_model(model_id)
+                rank = model.lora_rank if model is not None else 0
+                needs = self.store.checkpoint_size_estimate(
+                    model_id, _CHECKPOINT_KINDS[type(op)], rank
+                )
+                self.check_storage(tenant, needs)
+                return {"storage_bytes": float(needs)}
+            case Forward() | OptimStep() | LoadWeights() | Refused():
+                return {}
+            case _:
+                assert_never(op)
 
     def check_storage(self, tenant: str, needs: int) -> None:
         """A new checkpoint of about `needs` bytes (a save, or a copy of one)."""
@@ -139,9 +158,7 @@ class Quotas:
         return {counter: float(needs)}
 
     @staticmethod
-    def _rank(payload: Any) -> int | None:
-        if isinstance(payload, CreateArgs):
-            return int(payload.lora["rank"])
-        if isinstance(payload, FromStateArgs):
-            return int(payload.checkpoint.info["lora"]["rank"])
-        return None
+    def _rank(op: CreateModel | CreateFromState) -> int:
+        if isinstance(op, CreateModel):
+            return int(op.lora["rank"])
+        return int(op.checkpoint.info["lora"]["rank"])

@@ -17,7 +17,7 @@ from typing import Any
 
 from lorafleet.server.errors import NotFound, UserError
 from lorafleet.server.ops.futures import Result
-from lorafleet.server.ops.scheduler import Op
+from lorafleet.server.ops.types import ForwardBackward, Job, Stage
 from lorafleet.server.state.keys import Tenant
 from lorafleet.server.state.store import Store
 
@@ -48,29 +48,29 @@ class RunMetrics:
     # ------------------------------------------------------------------ the server's loss
     def on_work(
         self,
-        kind: str,
-        work: list[tuple[Op, int]],
+        stage: Stage,
+        work: list[tuple[Job, int]],
         seconds: float,
-        finished: list[tuple[Op, Result]],
+        finished: list[tuple[Job, Result]],
     ) -> None:
         """The scheduler's work hook (worker thread): one "loss" point per finished
         forward_backward, numbered per run from 0 in the order the calls finished."""
-        if kind != "forward_backward":
+        if stage is not Stage.TRAIN:
             return
         now = time.time()
         rows: list[Row] = []
-        for op, result in finished:
-            if op.kind != "forward_backward" or result.failed:
+        for job, result in finished:
+            if not isinstance(job.op, ForwardBackward) or result.failed:
                 continue
             loss = _loss(result)
-            if loss is None or op.model_id is None:
+            if loss is None or job.model_id is None:
                 continue
             rows.append(
                 (
-                    op.tenant,
-                    op.model_id,
+                    job.tenant,
+                    job.model_id,
                     SERVER_LOSS,
-                    self._step(op.tenant, op.model_id),
+                    self._step(job.tenant, job.model_id),
                     loss,
                     "server",
                     now,

@@ -18,8 +18,8 @@ model has run. Across models there is no order, which is what lets one round of 
 
 Torch work happens only on the worker thread (two cores: one busy thread is the fastest way to
 run it) so the HTTP event loop stays responsive. That includes loading the model: with GNU
-OpenMP, a second thread running parallel torch ops makes the runtime see more threads than
-cores and stop spinning between parallel regions, and every small op then pays a wake-up.
+OpenMP, a second thread running parallel torch jobs makes the runtime see more threads than
+cores and stop spinning between parallel regions, and every small job then pays a wake-up.
 
 The worker never raises out of a round: an executor failure fails that group's futures with a
 server error and is logged, a full data disk fails them with DiskFull (507; checkpoint writes
@@ -34,24 +34,30 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from lorafleet.sample.types import SampleResult
 from lorafleet.server.errors import ServerFault, UserError, internal_error
 from lorafleet.server.ops.fair_share import DeficitRoundRobin, Work
 from lorafleet.server.ops.futures import FutureTable, Result
+from lorafleet.server.ops.types import (
+    CreateFromState,
+    CreateModel,
+    Forward,
+    ForwardBackward,
+    Job,
+    Stage,
+    TrainOp,
+    train_op,
+)
 from lorafleet.server.state import disk
 from lorafleet.server.state.disk import DiskGuard
 
 log = logging.getLogger(__name__)
 
-TRAIN_KINDS = frozenset({"forward", "forward_backward"})
-OPTIM_KIND = "optim_step"
-SAMPLE_KIND = "sample"
-CREATE_KINDS = frozenset({"create_model", "create_from_state"})
-DISK_WRITE_KINDS = frozenset({"save_weights", "save_sampler"})
 ENGINE_DEAD = (
     "the server's engine stopped after an internal error and cannot run requests; "
     "the server must be restarted (see its log)"
@@ -70,24 +76,12 @@ accelerator running a real model wants many times more."""
 STATS_WINDOW_S = 10.0  # rounds per second and tokens per round are over this much recent time
 
 
-@dataclass(eq=False)
-class Op:
-    request_id: str
-    kind: str
-    tenant: str
-    payload: Any
-    model_id: str | None = None
-    seq_id: int | None = None  # None: not ordered (creation, samples)
-    scope: str | None = None  # what batching counts as "one client" (model or sampling session)
-    submitted: float = field(default_factory=time.monotonic)
-
-
 @dataclass(frozen=True)
 class PendingSample:
     """A sample request running in the sampler's batch; `finish` turns its outcome into a Result."""
 
-    future: Future[Any]
-    convert: Callable[[Any], Result]
+    future: Future[SampleResult]
+    convert: Callable[[SampleResult], Result]
 
     def finish(self) -> Result:
         exc = self.future.exception()
@@ -99,11 +93,11 @@ class PendingSample:
 
 @dataclass(frozen=True)
 class TrainChunk:
-    """Datums [start, stop) of a forward(_backward) op with `total` datums. `earlier` holds
-    what the executor returned (`Partial.value`) for the op's chunks before this one; the last
+    """Datums [start, stop) of a forward(_backward) job with `total` datums. `earlier` holds
+    what the executor returned (`Partial.value`) for the job's chunks before this one; the last
     chunk's Result combines them with its own."""
 
-    op: Op
+    job: Job
     start: int
     stop: int
     total: int
@@ -114,47 +108,45 @@ class TrainChunk:
     def last(self) -> bool:
         return self.stop >= self.total
 
+    @property
+    def call(self) -> TrainOp:
+        return train_op(self.job)
+
 
 @dataclass(frozen=True)
 class Partial:
-    """A chunk that ran, not the op's last one: its output, kept until the last chunk."""
+    """A chunk that ran, not the job's last one: its output, kept until the last chunk."""
 
     value: object
 
 
 @dataclass
 class _TrainProgress:
-    sizes: tuple[int, ...]  # tokens of each datum
+    sizes: tuple[int, ...]  # tokens of each datum (metered)
+    costs: tuple[int, ...]  # what fair share counts per datum
     queued_round: int  # rounds begun when it was submitted
-    costs: tuple[int, ...] = ()  # what fair share counts per datum (default: its tokens)
     done: int = 0  # datums already taken
     outputs: list[object] = field(default_factory=list)  # Partial values of the chunks run
 
 
-def one_datum(op: Op) -> list[int]:
-    """The default measure of a training op: one datum of one token (a scheduler without a
-    real measure, in tests, runs every call whole)."""
-    return [1]
-
-
 class Executor(Protocol):
-    """What the scheduler drives; each method returns one Result per op (or chunk), in order."""
+    """What the scheduler drives; each method returns one Result per job (or chunk), in order."""
 
-    def run_control(self, op: Op) -> Result: ...
+    def run_control(self, job: Job) -> Result: ...
 
     def run_train(self, chunks: list[TrainChunk]) -> list[Result | Partial]: ...
 
-    def run_optim(self, ops: list[Op]) -> list[Result]: ...
+    def run_optim(self, jobs: list[Job]) -> list[Result]: ...
 
-    def start_sample(self, ops: list[Op]) -> list[Result | PendingSample]: ...
+    def start_sample(self, jobs: list[Job]) -> list[Result | PendingSample]: ...
 
     def step_sampler(self) -> bool: ...
 
 
 E = TypeVar("E", bound=Executor)
-WorkHook = Callable[[str, list[tuple[Op, int]], float, list[tuple[Op, Result]]], None]
-"""(batch kind, each op in the batch with the tokens it ran there (0: not a token measure), the
-batch's wall seconds, the ops it finished with their results): called on the worker after each
+WorkHook = Callable[[Stage, list[tuple[Job, int]], float, list[tuple[Job, Result]]], None]
+"""(batch stage, each job in the batch with the tokens it ran there (0: not a token measure), the
+batch's wall seconds, the jobs it finished with their results): called on the worker after each
 engine batch, before the results are handed out."""
 
 
@@ -164,9 +156,9 @@ class Stats:
     batches: Counter[str] = field(default_factory=Counter)  # kind -> engine calls
     mixed_batches: Counter[str] = field(default_factory=Counter)  # ... with > 1 client in them
     cross_tenant_batches: Counter[str] = field(default_factory=Counter)  # ... with > 1 tenant
-    requests: Counter[str] = field(default_factory=Counter)  # kind -> ops completed
+    requests: Counter[str] = field(default_factory=Counter)  # kind -> jobs completed
     failed: Counter[str] = field(default_factory=Counter)
-    round_errors: int = 0  # exceptions that escaped a round (its ops failed, the worker went on)
+    round_errors: int = 0  # exceptions that escaped a round (its jobs failed, the worker went on)
     max_batch_clients: Counter[str] = field(default_factory=Counter)
     train_tokens: int = 0  # datum tokens run in forward(_backward) batches
     split_ops: int = 0  # forward(_backward) calls run in more than one chunk
@@ -207,8 +199,6 @@ class Scheduler:
         round_token_budget: int = DEFAULT_ROUND_TOKENS,
         quantum: int | None = None,
         weight_of: Callable[[str], float] = lambda tenant: 1.0,
-        op_sizes: Callable[[Op], Sequence[int]] = one_datum,
-        op_costs: Callable[[Op], Sequence[int]] | None = None,
         max_round_models: int | None = None,
         on_work: WorkHook | None = None,
     ):
@@ -216,11 +206,10 @@ class Scheduler:
         `liveness()` calls the engine stalled. Fair share (fair_share.py): a round runs at most
         `round_token_budget` tokens of forward(_backward) work, a tenant's turn adds `quantum`
         (default a quarter of the budget) times its `weight_of` relative to the heaviest waiting
-        tenant, `op_sizes` gives the tokens of each datum of a training op (measured once, when
-        it is submitted; metered), `op_costs` what fair share counts for each (default the
-        same: a datum's tokens past what the call's earlier datums share with it, so that the
-        turns of an episode run in one round and share their prefixes, see train_batches.py),
-        and a round touches at most `max_round_models` models."""
+        tenant, and a round touches at most `max_round_models` models. A training call counts
+        what its op measured when it was parsed (`TrainCall.datum_costs`: a datum's tokens past
+        what the call's earlier datums share with it, so that the turns of an episode run in
+        one round and share their prefixes; fair_share.datum_costs)."""
         if not isinstance(round_token_budget, int) or round_token_budget < 1:
             raise ValueError(
                 f"round_token_budget must be a positive number of tokens, got {round_token_budget!r}"
@@ -230,12 +219,10 @@ class Scheduler:
         self.round_token_budget = round_token_budget
         self.max_round_models = max_round_models
         self.weight_of = weight_of
-        self.op_sizes = op_sizes
-        self.op_costs = op_costs
         self.fair = DeficitRoundRobin(
             max(1, round_token_budget // 4) if quantum is None else quantum, weight_of
         )
-        # request id -> the progress of its queued training op
+        # request id -> the progress of its queued training job
         self._train: dict[str, _TrainProgress] = {}
         self._recent: deque[tuple[float, int]] = deque()  # (round end, its training tokens)
         self.futures = futures
@@ -244,7 +231,7 @@ class Scheduler:
         self.stall_s = stall_s
         self._round_began: float | None = None  # monotonic; None between rounds
         self._last_round = time.monotonic()
-        self._in_round: dict[str, Op] = {}  # taken from the queues, not yet finished
+        self._in_round: dict[str, Job] = {}  # taken from the queues, not yet finished
         self._died = False
         self.batch_window_s = batch_window_s
         self.gap_timeout_s = gap_timeout_s
@@ -253,12 +240,12 @@ class Scheduler:
         self._cond = threading.Condition()
         self._next_seq: dict[str, int] = {}
         self._gone: dict[str, str] = {}  # unloaded model -> why (its late requests fail at once)
-        self._queues: dict[str, dict[int, Op]] = {}
+        self._queues: dict[str, dict[int, Job]] = {}
         self._gaps: dict[str, tuple[int, float]] = {}  # model -> (missing seq, first seen)
         self._skipped: dict[str, deque[int]] = {}  # model -> seq_ids given up on (newest last)
-        self._unordered: list[Op] = []
+        self._unordered: list[Job] = []
         self._calls: list[tuple[Callable[[], Any], Future[Any]]] = []
-        self._sampling: list[tuple[Op, PendingSample]] = []  # worker thread only
+        self._sampling: list[tuple[Job, PendingSample]] = []  # worker thread only
         self._paused = False
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -307,62 +294,54 @@ class Scheduler:
             self._skipped.pop(model_id, None)
             self._gone[model_id] = reason
             queued = list(self._queues.pop(model_id, {}).values())
-        for op in queued:
-            self._finish(op, Result.error(UserError(reason)))
+        for job in queued:
+            self._finish(job, Result.error(UserError(reason)))
 
-    def submit(self, op: Op) -> None:
+    def submit(self, job: Job) -> None:
         error: UserError | ServerFault | None = None
         progress: _TrainProgress | None = None
-        if op.kind in TRAIN_KINDS and op.seq_id is not None:
-            try:
-                # An op without datums still takes a turn (one token), to fail in its order.
-                sizes = tuple(max(1, int(n)) for n in self.op_sizes(op)) or (1,)
-                costs = sizes
-                if self.op_costs is not None:
-                    costs = tuple(max(1, int(n)) for n in self.op_costs(op)) or (1,)
-                    if len(costs) != len(sizes):
-                        raise ValueError(
-                            f"op_costs gave {len(costs)} datums, op_sizes {len(sizes)}"
-                        )
-                progress = _TrainProgress(sizes, self.stats.rounds, costs)
-            except Exception as exc:  # the op fails with the error; the server goes on
-                log.exception("could not measure %s %s", op.kind, op.request_id)
-                self._finish(
-                    op, Result.error(ServerFault(internal_error("measuring the request", exc)))
-                )
-                return
+        if isinstance(job.op, Forward | ForwardBackward):
+            # A call without datums still takes a turn (one token), to fail in its order.
+            sizes = tuple(max(1, n) for n in job.op.datum_tokens) or (1,)
+            costs = tuple(max(1, n) for n in job.op.datum_costs) or (1,)
+            progress = _TrainProgress(sizes, costs, self.stats.rounds)
         with self._cond:
             if self._died:
                 error = ServerFault(ENGINE_DEAD)
-            elif op.seq_id is None:
-                self._unordered.append(op)
+            elif job.seq_id is None:
+                if job.op.stage in (Stage.TRAIN, Stage.OPTIM):
+                    error = ServerFault(
+                        internal_error(f"queueing {job.kind}", ValueError("not in a model's order"))
+                    )
+                else:
+                    self._unordered.append(job)
             else:
-                assert op.model_id is not None
-                expected = self._next_seq.get(op.model_id)
-                if op.model_id in self._gone:
-                    error = UserError(self._gone[op.model_id])
-                elif expected is not None and op.seq_id in self._skipped.get(op.model_id, ()):
+                assert job.model_id is not None
+                expected = self._next_seq.get(job.model_id)
+                if job.model_id in self._gone:
+                    error = UserError(self._gone[job.model_id])
+                elif expected is not None and job.seq_id in self._skipped.get(job.model_id, ()):
                     error = UserError(
-                        f"seq_id {op.seq_id} of model {op.model_id!r} arrived after the server gave up waiting "
+                        f"seq_id {job.seq_id} of model {job.model_id!r} arrived after the server gave up waiting "
                         f"for it ({self.gap_timeout_s:g} s, the gap timeout) and ran the model's later requests "
                         "without it; submit the operation again"
                     )
-                elif expected is not None and op.seq_id < expected:
+                elif expected is not None and job.seq_id < expected:
                     error = UserError(
-                        f"seq_id {op.seq_id} of model {op.model_id!r} was already executed (next is {expected})"
+                        f"seq_id {job.seq_id} of model {job.model_id!r} was already executed (next is {expected})"
                     )
-                elif expected is not None and op.seq_id > expected + MAX_SEQ_AHEAD:
+                elif expected is not None and job.seq_id > expected + MAX_SEQ_AHEAD:
                     error = UserError(
-                        f"seq_id {op.seq_id} of model {op.model_id!r} is more than {MAX_SEQ_AHEAD} ahead of the next one "
+                        f"seq_id {job.seq_id} of model {job.model_id!r} is more than {MAX_SEQ_AHEAD} ahead of the next one "
                         f"to run ({expected}); seq_ids must be consecutive"
                     )
                 else:
-                    self._queues.setdefault(op.model_id, {})[op.seq_id] = op
+                    self._queues.setdefault(job.model_id, {})[job.seq_id] = job
                     if progress is not None:
-                        self._train[op.request_id] = progress
+                        self._train[job.request_id] = progress
             self._cond.notify_all()
         if error is not None:
-            self._finish(op, Result.error(error))
+            self._finish(job, Result.error(error))
 
     def call(self, fn: Callable[[], Any]) -> Future[Any]:
         """Runs `fn` on the worker thread between rounds (anything that touches the engine)."""
@@ -382,27 +361,27 @@ class Scheduler:
             return len(self._unordered) + sum(len(q) for q in self._queues.values())
 
     def model_ops(self, tenant: str) -> dict[str, dict[str, int]]:
-        """Per run of `tenant`: its queued ops and those in the running round (the console's
+        """Per run of `tenant`: its queued jobs and those in the running round (the console's
         run list). One short hold of the lock, no engine work."""
         out: dict[str, dict[str, int]] = {}
         with self._cond:
-            queued = [op for q in self._queues.values() for op in q.values()] + self._unordered
+            queued = [job for q in self._queues.values() for job in q.values()] + self._unordered
             running = list(self._in_round.values())
-        for ops, key in ((queued, "queued"), (running, "in_flight")):
-            for op in ops:
-                if op.tenant == tenant and op.model_id is not None:
-                    entry = out.setdefault(op.model_id, {"queued": 0, "in_flight": 0})
+        for jobs, key in ((queued, "queued"), (running, "in_flight")):
+            for job in jobs:
+                if job.tenant == tenant and job.model_id is not None:
+                    entry = out.setdefault(job.model_id, {"queued": 0, "in_flight": 0})
                     entry[key] += 1
         return out
 
     def has_work(self, model_id: str) -> bool:
-        """Whether `model_id` has an op queued (in order or behind a gap) or taken into the
+        """Whether `model_id` has an job queued (in order or behind a gap) or taken into the
         running round: the paging policy (live_models.py) evicts such a run last."""
         with self._cond:
             if self._queues.get(model_id):
                 return True
-            return any(op.model_id == model_id for op in self._in_round.values()) or any(
-                op.model_id == model_id for op in self._unordered
+            return any(job.model_id == model_id for job in self._in_round.values()) or any(
+                job.model_id == model_id for job in self._unordered
             )
 
     # ------------------------------------------------------------------ the worker
@@ -445,7 +424,7 @@ class Scheduler:
         now = time.monotonic()
         with self._cond:
             began = self._round_began
-            ready = [op.submitted for op in self._unordered] + [
+            ready = [job.submitted for job in self._unordered] + [
                 q[seq].submitted
                 for m, q in self._queues.items()
                 if (seq := self._next_seq.get(m)) is not None and seq in q
@@ -474,15 +453,15 @@ class Scheduler:
         with self._cond:
             self._died = True
             self._stopping = True
-            ops = [op for q in self._queues.values() for op in q.values()] + self._unordered
-            ops += list(self._in_round.values()) + [op for op, _ in self._sampling]
-            ops = list({op.request_id: op for op in ops}.values())  # a split op is in both
+            jobs = [job for q in self._queues.values() for job in q.values()] + self._unordered
+            jobs += list(self._in_round.values()) + [job for job, _ in self._sampling]
+            jobs = list({job.request_id: job for job in jobs}.values())  # a split job is in both
             self._queues = {m: {} for m in self._queues}
             self._unordered, self._sampling, self._in_round = [], [], {}
             calls, self._calls = self._calls, []
         fault = ServerFault(ENGINE_DEAD)
-        for op in ops:
-            self._finish(op, Result.error(fault))
+        for job in jobs:
+            self._finish(job, Result.error(fault))
         for _fn, future in calls:
             if future.set_running_or_notify_cancel():
                 future.set_exception(fault)
@@ -493,23 +472,23 @@ class Scheduler:
         self._round_began = time.monotonic()
         try:
             self._run_round(executor)
-        except Exception as exc:  # the worker must survive; the ops get the error
+        except Exception as exc:  # the worker must survive; the jobs get the error
             log.exception("an error escaped an engine round; failing its operations")
             self.stats.round_errors += 1
             with self._cond:
-                ops = list(self._in_round.values()) + [op for op, _ in self._sampling]
+                jobs = list(self._in_round.values()) + [job for job, _ in self._sampling]
                 self._in_round, self._sampling = {}, []
-                for op in ops:
-                    self._dequeue(op)  # a split call's chunk: the call fails as a whole
+                for job in jobs:
+                    self._dequeue(job)  # a split call's chunk: the call fails as a whole
             error = self._failure("running the request", exc)
-            for op in ops:
-                self._finish(op, error)
+            for job in jobs:
+                self._finish(job, error)
         finally:
             self._round_began = None
             self._last_round = time.monotonic()
 
     def _failure(self, doing: str, exc: BaseException) -> Result:
-        """The error an op gets for `exc`: DiskFull for any out-of-space error, else a server
+        """The error an job gets for `exc`: DiskFull for any out-of-space error, else a server
         error naming only the exception's type (neither names a server path)."""
         if disk.is_disk_full(exc):
             if self.disk_guard is not None:
@@ -517,11 +496,11 @@ class Scheduler:
             return Result.error(disk.disk_full_error())
         return Result.error(ServerFault(internal_error(doing, exc)))
 
-    def _run_control(self, executor: Executor, op: Op) -> Result:
-        """A control op; a checkpoint write is refused at once while the data disk is full."""
-        if self.disk_guard is not None and op.kind in DISK_WRITE_KINDS:
+    def _run_control(self, executor: Executor, job: Job) -> Result:
+        """A control job; a checkpoint write is refused at once while the data disk is full."""
+        if self.disk_guard is not None and job.op.writes_disk:
             self.disk_guard.check_room()
-        return executor.run_control(op)
+        return executor.run_control(job)
 
     def _run_round(self, executor: Executor) -> None:
         self.stats.rounds += 1
@@ -534,45 +513,47 @@ class Scheduler:
                 except Exception as exc:  # noqa: BLE001 - handed to the caller, who re-raises it
                     future.set_exception(exc)
 
-        for op in self._take_control():
-            self._run_group("control", [op], lambda ops: [self._run_control(executor, ops[0])])
+        for job in self._take_control():
+            self._run_group(
+                Stage.CONTROL, [job], lambda jobs: [self._run_control(executor, jobs[0])]
+            )
         train = self._take_train()
         if train:
             self._run_train(executor, train)
         self._note_round(sum(c.tokens for c in train))
         optim = self._take_heads(
-            lambda kind: kind == OPTIM_KIND, consecutive=False, models=self.max_round_models
+            lambda stage: stage is Stage.OPTIM, consecutive=False, models=self.max_round_models
         )
         if optim:
-            self._run_group("optim_step", optim, executor.run_optim)
+            self._run_group(Stage.OPTIM, optim, executor.run_optim)
         with self._cond:
-            samples = [op for op in self._unordered if op.kind == SAMPLE_KIND]
-            self._unordered = [op for op in self._unordered if op.kind != SAMPLE_KIND]
-            self._in_round.update((op.request_id, op) for op in samples)
+            samples = [job for job in self._unordered if job.op.stage is Stage.SAMPLE]
+            self._unordered = [job for job in self._unordered if job.op.stage is not Stage.SAMPLE]
+            self._in_round.update((job.request_id, job) for job in samples)
         if samples:
             self._start_samples(executor, samples)
         if self._sampling:
             self._step_sampler(executor)
 
-    def _start_samples(self, executor: Executor, ops: list[Op]) -> None:
+    def _start_samples(self, executor: Executor, jobs: list[Job]) -> None:
         try:
-            started = executor.start_sample(ops)
-            if len(started) != len(ops):
+            started = executor.start_sample(jobs)
+            if len(started) != len(jobs):
                 raise RuntimeError(
-                    f"sample: executor returned {len(started)} results for {len(ops)} ops"
+                    f"sample: executor returned {len(started)} results for {len(jobs)} jobs"
                 )
         except Exception as exc:
-            log.exception("engine failure while queueing %d sample request(s)", len(ops))
+            log.exception("engine failure while queueing %d sample request(s)", len(jobs))
             error = Result.error(ServerFault(internal_error("queueing samples", exc)))
-            started = [error] * len(ops)
-        self._count_batch("sample", [op for op, _ in self._sampling] + ops)
-        for op, item in zip(ops, started, strict=True):
+            started = [error] * len(jobs)
+        self._count_batch(Stage.SAMPLE, [job for job, _ in self._sampling] + jobs)
+        for job, item in zip(jobs, started, strict=True):
             if isinstance(item, PendingSample):
                 with self._cond:
-                    self._in_round.pop(op.request_id, None)
-                self._sampling.append((op, item))
+                    self._in_round.pop(job.request_id, None)
+                self._sampling.append((job, item))
             else:
-                self._finish(op, item)
+                self._finish(job, item)
 
     def _step_sampler(self, executor: Executor) -> None:
         """Advances the running sample batch for up to `sample_slice_s` while other work waits
@@ -581,7 +562,7 @@ class Scheduler:
         deadline = time.monotonic() + self.sample_slice_s
         while self._sampling:
             began = time.monotonic()
-            running = [(op, 0) for op, _ in self._sampling]
+            running = [(job, 0) for job, _ in self._sampling]
             try:
                 progressed = executor.step_sampler()
             except Exception:
@@ -589,54 +570,52 @@ class Scheduler:
                     "engine failure in a sampling step (%d request(s) running)", len(self._sampling)
                 )
                 progressed = True  # the engine failed the running requests' futures
-            still: list[tuple[Op, PendingSample]] = []
-            done: list[tuple[Op, Result]] = []
-            for op, pending in self._sampling:
+            still: list[tuple[Job, PendingSample]] = []
+            done: list[tuple[Job, Result]] = []
+            for job, pending in self._sampling:
                 if pending.future.done():
-                    done.append((op, pending.finish()))
+                    done.append((job, pending.finish()))
                 else:
-                    still.append((op, pending))
-            self._report_work("sample", running, time.monotonic() - began, done)
-            for op, result in done:
-                self._finish(op, result)
+                    still.append((job, pending))
+            self._report_work(Stage.SAMPLE, running, time.monotonic() - began, done)
+            for job, result in done:
+                self._finish(job, result)
             self._sampling = still
             if not progressed and still:
-                for op, _ in still:
+                for job, _ in still:
                     self._finish(
-                        op,
+                        job,
                         Result.error(
                             ServerFault("the sampler dropped this request without a result")
                         ),
                     )
                 self._sampling = []
             with self._cond:
-                new_samples = any(op.kind == SAMPLE_KIND for op in self._unordered)
+                new_samples = any(job.op.stage is Stage.SAMPLE for job in self._unordered)
                 other = self._other_work_ready()
             if new_samples or self._stopping or (other and time.monotonic() >= deadline):
                 return
 
-    def _take_control(self) -> list[Op]:
+    def _take_control(self) -> list[Job]:
         with self._cond:
-            ops = [op for op in self._unordered if op.kind != SAMPLE_KIND]
-            self._unordered = [op for op in self._unordered if op.kind == SAMPLE_KIND]
-            self._in_round.update((op.request_id, op) for op in ops)
-        ops += self._take_heads(
-            lambda kind: kind not in TRAIN_KINDS and kind != OPTIM_KIND, consecutive=False
-        )
-        return ops
+            jobs = [job for job in self._unordered if job.op.stage is not Stage.SAMPLE]
+            self._unordered = [job for job in self._unordered if job.op.stage is Stage.SAMPLE]
+            self._in_round.update((job.request_id, job) for job in jobs)
+        jobs += self._take_heads(lambda stage: stage is Stage.CONTROL, consecutive=False)
+        return jobs
 
     def _take_heads(
-        self, wanted: Callable[[str], bool], *, consecutive: bool, models: int | None = None
-    ) -> list[Op]:
-        """Pops each model's head op if `wanted` (and the wanted ops right after it, if
+        self, wanted: Callable[[Stage], bool], *, consecutive: bool, models: int | None = None
+    ) -> list[Job]:
+        """Pops each model's head job if `wanted` (and the wanted jobs right after it, if
         `consecutive`), advancing the model's next seq past them; from at most `models` models."""
-        taken: list[Op] = []
+        taken: list[Job] = []
         with self._cond:
             for model_id, queue in self._queues.items():
-                if models is not None and len({op.model_id for op in taken}) >= models:
+                if models is not None and len({job.model_id for job in taken}) >= models:
                     break
                 seq = self._next_seq.get(model_id)
-                while seq is not None and seq in queue and wanted(queue[seq].kind):
+                while seq is not None and seq in queue and wanted(queue[seq].op.stage):
                     taken.append(queue.pop(seq))
                     self._in_round[taken[-1].request_id] = taken[-1]
                     seq += 1
@@ -647,38 +626,41 @@ class Scheduler:
 
     def _take_train(self) -> list[TrainChunk]:
         """The forward(_backward) work fair share picks for this round: each model's ready
-        training ops (its head and the training ops right after it), oldest head first within a
-        tenant. An op whose last datum is taken leaves its queue and advances the model's next
+        training jobs (its head and the training jobs right after it), oldest head first within a
+        tenant. An job whose last datum is taken leaves its queue and advances the model's next
         seq; one taken in part stays at the head, so nothing after it runs before it is done."""
         with self._cond:
-            runs: list[tuple[float, str, list[Op]]] = []
+            runs: list[tuple[float, str, list[Job]]] = []
             for model_id, queue in self._queues.items():
                 seq = self._next_seq.get(model_id)
-                run: list[Op] = []
-                while seq is not None and seq in queue and queue[seq].kind in TRAIN_KINDS:
+                run: list[Job] = []
+                while seq is not None and seq in queue and queue[seq].op.stage is Stage.TRAIN:
                     run.append(queue[seq])
                     seq += 1
                 if run:
                     runs.append((run[0].submitted, model_id, run))
             runs.sort(key=lambda r: (r[0], r[1]))
             ready: dict[str, list[Work]] = {}
-            ops: dict[str, Op] = {}
+            jobs: dict[str, Job] = {}
             for _, model_id, run in runs:
-                for op in run:
-                    progress = self._train[op.request_id]
-                    ready.setdefault(op.tenant, []).append(
+                for job in run:
+                    progress = self._train[job.request_id]
+                    ready.setdefault(job.tenant, []).append(
                         Work(
-                            op.request_id, model_id, progress.done, progress.costs or progress.sizes
+                            job.request_id,
+                            model_id,
+                            progress.done,
+                            progress.costs or progress.sizes,
                         )
                     )
-                    ops[op.request_id] = op
+                    jobs[job.request_id] = job
             chunks: list[TrainChunk] = []
             for take in self.fair.plan(ready, self.round_token_budget, self.max_round_models):
-                op = ops[take.key]
+                job = jobs[take.key]
                 progress = self._train[take.key]
                 chunks.append(
                     TrainChunk(
-                        op,
+                        job,
                         take.start,
                         take.stop,
                         len(progress.sizes),
@@ -687,26 +669,26 @@ class Scheduler:
                     )
                 )
                 progress.done = take.stop
-                self._in_round[op.request_id] = op
+                self._in_round[job.request_id] = job
                 if take.stop >= len(progress.sizes):
-                    self._dequeue(op)
+                    self._dequeue(job)
         return chunks
 
-    def _dequeue(self, op: Op) -> None:
-        """Takes `op` out of its model's queue, if there, past it the model's next seq (caller
+    def _dequeue(self, job: Job) -> None:
+        """Takes `job` out of its model's queue, if there, past it the model's next seq (caller
         holds the lock)."""
-        if op.model_id is None or op.seq_id is None:
+        if job.model_id is None or job.seq_id is None:
             return
-        queue = self._queues.get(op.model_id)
-        if queue is None or queue.get(op.seq_id) is not op:
+        queue = self._queues.get(job.model_id)
+        if queue is None or queue.get(job.seq_id) is not job:
             return
-        del queue[op.seq_id]
-        if self._next_seq.get(op.model_id) == op.seq_id:
-            self._next_seq[op.model_id] = op.seq_id + 1
+        del queue[job.seq_id]
+        if self._next_seq.get(job.model_id) == job.seq_id:
+            self._next_seq[job.model_id] = job.seq_id + 1
 
     def _run_train(self, executor: Executor, chunks: list[TrainChunk]) -> None:
-        """Runs one round's chunks; a chunk that is not its op's last keeps its output for the
-        op's later chunks, and any chunk that fails fails its whole op (the rest never runs)."""
+        """Runs one round's chunks; a chunk that is not its job's last keeps its output for the
+        job's later chunks, and any chunk that fails fails its whole job (the rest never runs)."""
         items: list[Result | Partial]
         began = time.monotonic()
         try:
@@ -715,31 +697,31 @@ class Scheduler:
                 raise RuntimeError(
                     f"forward_backward: executor returned {len(items)} results for {len(chunks)} chunks"
                 )
-        except Exception as exc:  # noqa: BLE001 - logged by _batch_failure, each op gets it
-            items = [self._batch_failure("forward_backward", len(chunks), exc)] * len(chunks)
-        self._count_batch("forward_backward", [c.op for c in chunks])
+        except Exception as exc:  # noqa: BLE001 - logged by _batch_failure, each job gets it
+            items = [self._batch_failure(Stage.TRAIN, len(chunks), exc)] * len(chunks)
+        self._count_batch(Stage.TRAIN, [c.job for c in chunks])
         self._report_work(
-            "forward_backward",
-            [(c.op, c.tokens) for c in chunks],
+            Stage.TRAIN,
+            [(c.job, c.tokens) for c in chunks],
             time.monotonic() - began,
             [
-                (c.op, item)
+                (c.job, item)
                 for c, item in zip(chunks, items, strict=True)
                 if isinstance(item, Result) and (item.failed or c.last)
             ],
         )
         self.stats.train_tokens += sum(c.tokens for c in chunks)
         for chunk, item in zip(chunks, items, strict=True):
-            op = chunk.op
+            job = chunk.job
             if chunk.start > 0 or not chunk.last:
                 self.stats.chunks += 1
                 self.stats.split_ops += chunk.start == 0
             if isinstance(item, Partial) and not chunk.last:
                 with self._cond:
-                    progress = self._train.get(op.request_id)
+                    progress = self._train.get(job.request_id)
                     if progress is not None:
                         progress.outputs.append(item.value)
-                    self._in_round.pop(op.request_id, None)
+                    self._in_round.pop(job.request_id, None)
                 continue
             if not isinstance(item, Result) or not (item.failed or chunk.last):
                 log.error(
@@ -747,14 +729,14 @@ class Scheduler:
                     type(item).__name__,
                     chunk.start,
                     chunk.stop,
-                    op.request_id,
+                    job.request_id,
                     chunk.total,
                 )
                 item = Result.error(ServerFault(internal_error("combining chunks", TypeError())))
             if not chunk.last:
                 with self._cond:
-                    self._dequeue(op)
-            self._finish(op, item)
+                    self._dequeue(job)
+            self._finish(job, item)
 
     def _note_round(self, tokens: int) -> None:
         now = time.monotonic()
@@ -770,19 +752,19 @@ class Scheduler:
         STATS_WINDOW_S seconds."""
         now = time.monotonic()
         with self._cond:
-            queued = [op for q in self._queues.values() for op in q.values()] + self._unordered
+            queued = [job for q in self._queues.values() for job in q.values()] + self._unordered
             tenants: dict[str, dict[str, Any]] = {}
-            for op in queued:
-                entry = tenants.setdefault(op.tenant, {"queued_ops": 0, "queued_train_tokens": 0})
+            for job in queued:
+                entry = tenants.setdefault(job.tenant, {"queued_ops": 0, "queued_train_tokens": 0})
                 entry["queued_ops"] += 1
-                progress = self._train.get(op.request_id)
+                progress = self._train.get(job.request_id)
                 if progress is not None:
                     entry["queued_train_tokens"] += sum(progress.sizes[progress.done :])
             deficits = dict(self.fair.deficits)
             order = self.fair.order()
             recent = [(t, n) for t, n in self._recent if t >= now - STATS_WINDOW_S]
-        for op, _ in list(self._sampling):
-            entry = tenants.setdefault(op.tenant, {"queued_ops": 0, "queued_train_tokens": 0})
+        for job, _ in list(self._sampling):
+            entry = tenants.setdefault(job.tenant, {"queued_ops": 0, "queued_train_tokens": 0})
             entry["sampling"] = entry.get("sampling", 0) + 1
         for tenant, entry in tenants.items():
             entry["weight"] = self.weight_of(tenant)
@@ -803,78 +785,87 @@ class Scheduler:
 
     def _report_work(
         self,
-        kind: str,
-        work: list[tuple[Op, int]],
+        stage: Stage,
+        work: list[tuple[Job, int]],
         seconds: float,
-        finished: list[tuple[Op, Result]],
+        finished: list[tuple[Job, Result]],
     ) -> None:
-        """Metering; a failure there is logged and never fails the ops."""
+        """Metering; a failure there is logged and never fails the jobs."""
         if self.on_work is None:
             return
         try:
-            self.on_work(kind, work, seconds, finished)
+            self.on_work(stage, work, seconds, finished)
         except Exception:
-            log.exception("the work hook failed for a %s batch of %d op(s)", kind, len(work))
+            log.exception(
+                "the work hook failed for a %s batch of %d job(s)", stage.value, len(work)
+            )
 
-    def _batch_failure(self, name: str, count: int, exc: Exception) -> Result:
+    def _batch_failure(self, stage: Stage, count: int, exc: Exception) -> Result:
         """Logs a failed engine batch (called in its `except`) and returns the error each of its
-        ops gets. A full disk is logged as a warning: it is the host's state, not a bug."""
+        jobs gets. A full disk is logged as a warning: it is the host's state, not a bug."""
         if disk.is_disk_full(exc):
-            log.warning("%s of %d request(s): the data disk is full (%s)", name, count, exc)
+            log.warning("%s of %d request(s): the data disk is full (%s)", stage.value, count, exc)
         else:
-            log.exception("engine failure in %s batch of %d request(s)", name, count)
-        return self._failure(f"running {name}", exc)
+            log.exception("engine failure in %s batch of %d request(s)", stage.value, count)
+        return self._failure(f"running {stage.value}", exc)
 
-    def _run_group(self, name: str, ops: list[Op], run: Callable[[list[Op]], list[Result]]) -> None:
+    def _run_group(
+        self, stage: Stage, jobs: list[Job], run: Callable[[list[Job]], list[Result]]
+    ) -> None:
         began = time.monotonic()
         try:
-            results = run(ops)
-            if len(results) != len(ops):
+            results = run(jobs)
+            if len(results) != len(jobs):
                 raise RuntimeError(
-                    f"{name}: executor returned {len(results)} results for {len(ops)} ops"
+                    f"{stage.value}: executor returned {len(results)} results for {len(jobs)} jobs"
                 )
-        except Exception as exc:  # noqa: BLE001 - logged by _batch_failure, each op gets it
-            results = [self._batch_failure(name, len(ops), exc)] * len(ops)
-        if name != "control":
-            self._count_batch(name, ops)
-        finished = list(zip(ops, results, strict=True))
-        self._report_work(name, [(op, 0) for op in ops], time.monotonic() - began, finished)
-        for op, result in finished:
-            if op.kind in CREATE_KINDS and not result.failed and op.model_id is not None:
-                self.register_model(op.model_id)
-            self._finish(op, result)
+        except Exception as exc:  # noqa: BLE001 - logged by _batch_failure, each job gets it
+            results = [self._batch_failure(stage, len(jobs), exc)] * len(jobs)
+        if stage is not Stage.CONTROL:
+            self._count_batch(stage, jobs)
+        finished = list(zip(jobs, results, strict=True))
+        self._report_work(stage, [(job, 0) for job in jobs], time.monotonic() - began, finished)
+        for job, result in finished:
+            if (
+                isinstance(job.op, CreateModel | CreateFromState)
+                and not result.failed
+                and job.model_id is not None
+            ):
+                self.register_model(job.model_id)
+            self._finish(job, result)
 
-    def _count_batch(self, name: str, ops: list[Op]) -> None:
-        clients = {op.scope or op.model_id or op.request_id for op in ops}
+    def _count_batch(self, stage: Stage, jobs: list[Job]) -> None:
+        name = stage.value
+        clients = {job.scope or job.model_id or job.request_id for job in jobs}
         self.stats.batches[name] += 1
         self.stats.max_batch_clients[name] = max(self.stats.max_batch_clients[name], len(clients))
         if len(clients) > 1:
             self.stats.mixed_batches[name] += 1
-        if len({op.tenant for op in ops}) > 1:
+        if len({job.tenant for job in jobs}) > 1:
             self.stats.cross_tenant_batches[name] += 1
 
-    def _finish(self, op: Op, result: Result) -> None:
-        """Hands `result` to the op's future. Never raises: should recording it fail in a way
+    def _finish(self, job: Job, result: Result) -> None:
+        """Hands `result` to the job's future. Never raises: should recording it fail in a way
         the table did not handle, the client still gets an error from memory."""
         with self._cond:
-            progress = self._train.pop(op.request_id, None)
+            progress = self._train.pop(job.request_id, None)
             if progress is not None:
                 waits = self.stats.train_wait_rounds
                 waited = self.stats.rounds - progress.queued_round
-                waits[op.tenant] = max(waits.get(op.tenant, 0), waited)
+                waits[job.tenant] = max(waits.get(job.tenant, 0), waited)
         try:
-            self.stats.requests[op.kind] += 1
+            self.stats.requests[job.kind] += 1
             if result.failed:
-                self.stats.failed[op.kind] += 1
-            self.futures.complete(op.request_id, result)
+                self.stats.failed[job.kind] += 1
+            self.futures.complete(job.request_id, result)
         except Exception as exc:  # the waiting client gets an error instead
-            log.exception("could not record the result of %s", op.request_id)
+            log.exception("could not record the result of %s", job.request_id)
             self.futures.deliver(
-                op.request_id, self._failure("recording the result", exc), stored=False
+                job.request_id, self._failure("recording the result", exc), stored=False
             )
         finally:
             with self._cond:
-                self._in_round.pop(op.request_id, None)
+                self._in_round.pop(job.request_id, None)
 
     def _expire_gaps(self) -> None:
         """Skips a seq_id that has not arrived `gap_timeout_s` after the model's queue began

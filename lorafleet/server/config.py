@@ -1,0 +1,96 @@
+"""What a server is told at start: `ServerConfig`, plain data (the CLI's `lorafleet serve` flags
+fill it; tests build it directly). Nothing here opens or starts anything."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lorafleet.engines import EngineConfig
+from lorafleet.server.http import resource_json, schemas
+from lorafleet.server.http.served import RequestLimits
+from lorafleet.server.ops.scheduler import DEFAULT_ROUND_TOKENS
+
+
+@dataclass
+class ServerConfig:
+    base_model: str
+    data_dir: Path
+    api_keys: list[str]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    engine: EngineConfig | None = None  # None: defaults for `base_model`
+    # retrieve_future holds this long before try_again: the SDK's read timeout for it is 45 s
+    # (tinker/lib/api_future_impl.py), and each early try_again costs the client a log line
+    long_poll_s: float = 40.0
+    batch_window_s: float = 0.005  # lets requests that arrive together share a batch
+    # a seq_id missing this long is skipped (scheduler._expire_gaps); the SDK numbers a call
+    # before sending it, so a lost request would otherwise hold up its model for good
+    gap_timeout_s: float = 30.0
+    # where the base's tokenizer is placed for clients on this machine (None: the hub cache
+    # transformers uses here, $HF_HUB_CACHE)
+    tokenizer_cache: Path | None = None
+    future_ttl_s: float = 24 * 3600.0
+    # no heartbeat for this long: the session's models are unloaded
+    session_timeout_s: float = 900.0
+    # how often maintenance runs (a thread, and on requests): stale sessions, old futures, and
+    # checkpoints past their TTL are deleted within about this long
+    maintenance_interval_s: float = 60.0
+    # start-up recovery may delete more than a crash explains (see recovery.py); off, it refuses
+    allow_recovery_deletes: bool = False
+    max_body_bytes: int = 64 << 20  # protobuf forward_backward bodies; the SDK sends <= 5 MB chunks
+    max_json_bytes: int = 8 << 20  # every JSON body (prompts, saves, polls)
+    body_timeout_s: float = 120.0  # a body that trickles in slower than this is refused (408)
+    max_num_samples: int = 1024  # per asample request
+    # a sample response's estimated wire size (requests.response_bytes); the server holds it
+    # as Python objects until it is encoded, several times this (docs/reliability.md)
+    max_response_bytes: int = 6 << 20
+    max_topk_logprobs: int = 20  # topk_sample/topk_prompt_logprobs (see served.RequestLimits)
+    torch_threads: int | None = None
+    # finished results: in memory up to this many bytes in all (newest kept)...
+    results_memory_bytes: int = 64 << 20
+    # ... each at most this big (bigger ones are read back from SQLite when polled)
+    results_memory_entry_bytes: int = 1 << 20
+    # in SQLite up to this many bytes in all (oldest deleted first), besides `future_ttl_s`
+    results_stored_bytes: int = 1 << 30
+    # kept free on the data disk so that deletions still work when it fills (disk.py); at most
+    # 1/16 of the filesystem
+    disk_reserve_bytes: int = 8 << 20
+    # a round running, or ready work waiting, this long makes /healthz report the engine stalled
+    engine_stall_s: float = 600.0
+    # fair share (fair_share.py): the tokens of forward(_backward) work one engine round runs;
+    # tenants take turns by weighted deficit round-robin and a bigger call runs in chunks over
+    # several rounds. Bounds how long another tenant's step waits behind a big call.
+    round_token_budget: int = DEFAULT_ROUND_TOKENS
+    # the tenants file (tenants.py): keys as hashes, weights, operators, quotas; reloaded on
+    # SIGHUP. Without one, `api_keys` are the tenants (weight 1, no quotas, no operator).
+    tenants_file: Path | None = None
+    # requests queued (admitted, not finished) in all; past it a request gets 429 + Retry-After
+    # (admission.py), which the SDK retries
+    max_queued_ops: int = 4096
+    queue_retry_after_s: float = 1.0
+    usage_flush_s: float = 5.0  # metering counts reach SQLite this often (metering.py)
+    # the web console (console/): sign-in sessions (lifetime, how many at once), its live
+    # event streams (in all, per session) and how often a stream looks for changes
+    console_session_ttl_s: float = 8 * 3600.0
+    console_max_sessions: int = 1024
+    console_sessions_per_tenant: int = 64  # past it the tenant's own oldest session goes
+    console_streams: int = 64
+    console_streams_per_session: int = 4
+    console_streams_per_tenant: int = 16  # one tenant's sessions together
+    console_refresh_s: float = 1.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def request_limits(config: ServerConfig) -> RequestLimits:
+    return RequestLimits(
+        max_num_samples=config.max_num_samples,
+        max_response_bytes=config.max_response_bytes,
+        max_topk_logprobs=config.max_topk_logprobs,
+        max_metadata_keys=schemas.MAX_METADATA_KEYS,
+        max_metadata_bytes=schemas.MAX_METADATA_BYTES,
+        max_page=resource_json.MAX_PAGE,
+        max_json_bytes=config.max_json_bytes,
+        max_body_bytes=config.max_body_bytes,
+    )
