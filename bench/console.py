@@ -42,8 +42,8 @@ from tinker import types
 
 from bench.common import fixed_dtype, parse_args, report
 from lorafleet.engines import EngineConfig
+from lorafleet.server.config import ServerConfig
 from lorafleet.server.main import ServerThread, free_port
-from lorafleet.server.service import ServerConfig
 
 CHROMIUM = Path("/usr/bin/chromium")
 KEY = "tml-bench-console-0123456789"

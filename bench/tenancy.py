@@ -70,9 +70,9 @@ from tinker import types
 
 from bench.common import add_dtype_option, bench_dtype, report
 from lorafleet.hardware import DtypeChoice
+from lorafleet.server.config import ServerConfig
 from lorafleet.server.engine.executor import EngineConfig
 from lorafleet.server.main import ServerThread, free_port
-from lorafleet.server.service import ServerConfig
 
 BASE_MODEL = "tiny-qwen3"
 VOCAB = 512  # tiny-qwen3's tokenizer

@@ -29,10 +29,10 @@ import httpx
 
 from lorafleet.adapters.checkpoint import CheckpointError, read_training_state
 from lorafleet.adapters.peft_io import read_peft
+from lorafleet.server.config import ServerConfig
 from lorafleet.server.engine.executor import EPHEMERAL_DIR, EngineConfig
 from lorafleet.server.engine.faults import FILE_ENV
 from lorafleet.server.main import ServerThread, free_port
-from lorafleet.server.config import ServerConfig
 from lorafleet.server.state.paths import checkpoint_dir, parse_tinker_path
 from lorafleet.server.state.recovery import TENANTS_DIR
 

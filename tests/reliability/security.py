@@ -22,9 +22,9 @@ import zstandard
 from fastapi.routing import APIRoute
 
 from lorafleet.server.app import PUBLIC_PATHS, SIGNED_GET_PREFIXES, create_app
+from lorafleet.server.config import ServerConfig
 from lorafleet.server.console.routes import CONSOLE
 from lorafleet.server.main import ServerThread, warn_if_exposed
-from lorafleet.server.config import ServerConfig
 from tests.reliability.fuzz import NAMES, PROTOBUF, Raw, Tenancy, fwdbwd_body, set_up_tenant
 from tests.reliability.harness import (
     files_outside,

@@ -16,9 +16,9 @@ import pytest
 import tinker
 from tinker import types
 
+from lorafleet.server.config import ServerConfig
 from lorafleet.server.engine.executor import EngineConfig
 from lorafleet.server.main import ServerThread, free_port
-from lorafleet.server.config import ServerConfig
 
 KEY_A = "tml-tenant-a-0123456789abcdef"
 KEY_B = "tml-tenant-b-0123456789abcdef"

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from lorafleet import cli
-from lorafleet.server.main import ServerThread
 from lorafleet.server.config import ServerConfig
+from lorafleet.server.main import ServerThread
 from tests.server.conftest import connect
 
 SDK_LOGGER = logging.getLogger(cli.SDK_RETRY_LOGGER)

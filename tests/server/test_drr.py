@@ -304,8 +304,8 @@ def test_state_reports_queues_deficits_and_rounds():
 
 def test_the_cli_default_budget_is_the_schedulers():
     from lorafleet.cli import build_parser
-    from lorafleet.server.ops.scheduler import DEFAULT_ROUND_TOKENS
     from lorafleet.server.config import ServerConfig
+    from lorafleet.server.ops.scheduler import DEFAULT_ROUND_TOKENS
 
     args = ["serve", "--base-model", "tiny-qwen3", "--data-dir", "unused"]
     assert build_parser().parse_args(args).round_token_budget == DEFAULT_ROUND_TOKENS

@@ -11,8 +11,8 @@ import pytest
 import tinker
 from tinker import types
 
-from lorafleet.server.main import ServerThread
 from lorafleet.server.config import ServerConfig
+from lorafleet.server.main import ServerThread
 from tests.server.conftest import KEY_A
 
 DEFAULTS = ServerConfig(base_model="x", data_dir=Path("x"), api_keys=[])

@@ -11,9 +11,7 @@ from lorafleet.server.state.disk import FAULT_ENV
 from tests.server.conftest import KEY_A, server_config, trained
 
 
-def test_every_checkpoint_write_is_refused_on_a_full_disk_and_writes_nothing(
-    tmp_path, monkeypatch
-):
+def test_every_checkpoint_write_is_refused_on_a_full_disk_and_writes_nothing(tmp_path, monkeypatch):
     flag = tmp_path / "disk-full"
     monkeypatch.setenv(FAULT_ENV, str(flag))
     data_dir = tmp_path / "data"
@@ -27,7 +25,9 @@ def test_every_checkpoint_write_is_refused_on_a_full_disk_and_writes_nothing(
         flag.touch()  # the disk is full from now on
         saves = {
             "save_state": lambda: tc.save_state("full-state").result(),
-            "save_weights_for_sampler": lambda: tc.save_weights_for_sampler("full-sampler").result(),
+            "save_weights_for_sampler": lambda: tc.save_weights_for_sampler(
+                "full-sampler"
+            ).result(),
             "save_weights_external": lambda: tc.save_weights_external("full-export").result(),
         }
         for name, save in saves.items():
@@ -43,8 +43,6 @@ def test_every_checkpoint_write_is_refused_on_a_full_disk_and_writes_nothing(
 
         flag.unlink()  # room again: the same saves succeed
         assert tc.save_state("state").result().path.endswith("/weights/state")
-        assert tc.save_weights_external("export").result().path.endswith(
-            "/external_weights/export"
-        )
+        assert tc.save_weights_external("export").result().path.endswith("/external_weights/export")
     finally:
         server.stop()
