@@ -67,14 +67,14 @@ class Intake:
         """A create under an id that already names a model is a conflict, unless it is a retry
         of the create that made it (which dedup answers with the original future)."""
         if (
-            self.store.find_future(model_id, 0) is None
-            and self.store.get_model(model_id) is not None
+            self.store.futures.find(model_id, 0) is None
+            and self.store.models.get(model_id) is not None
         ):
             raise Conflict(f"model {model_id!r} already exists")
 
     def _prior(self, tenant: Tenant, scope: str, seq_id: int, fingerprint: str) -> str | None:
         """Dedup on (scope, seq_id): a retry gets the original future, a different payload an error."""
-        prior = self.store.find_future(scope, seq_id)
+        prior = self.store.futures.find(scope, seq_id)
         if prior is None:
             return None
         if prior.tenant == tenant.id and prior.fingerprint == fingerprint:
@@ -188,7 +188,7 @@ class Intake:
                 seq_id=seq_id,
                 ordered=False,
             )
-        self.store.touch_model(model_id)
+        self.store.models.touch(model_id)
         return self.submit(
             tenant,
             kind,

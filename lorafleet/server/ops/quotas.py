@@ -11,7 +11,7 @@ Per-day tokens are checked against what the request can use at most (its forward
 tokens; `num_samples x max_tokens` for a sample) plus what the tenant's admitted, unfinished
 requests may still use (admission.py), so concurrent requests cannot together pass the limit.
 A save is checked against the bytes the tenant stores now plus the likely size of the new
-checkpoint (store.checkpoint_size_estimate), so storage can pass the limit only by the error
+checkpoint (store.checkpoints.size_estimate), so storage can pass the limit only by the error
 of that estimate.
 """
 
@@ -97,7 +97,7 @@ class Quotas:
             ):
                 raise self._refuse(tenant, "max_lora_rank", quotas.max_lora_rank, rank, rank)
             if quotas.registered_runs is not None:
-                used = self.store.registered_runs(tenant) + self.admission.reserved(
+                used = self.store.models.count_registered(tenant) + self.admission.reserved(
                     tenant, "registered_runs"
                 )
                 if used + 1 > quotas.registered_runs:
@@ -113,9 +113,9 @@ class Quotas:
         if kind in _SAVE_KINDS and model_id is not None and quotas.storage_bytes is not None:
             if isinstance(payload, SaveSamplerArgs) and payload.name is None:
                 return {}  # ephemeral: not a stored checkpoint
-            model = self.store.get_model(model_id)
+            model = self.store.models.get(model_id)
             rank = model.lora_rank if model is not None else 0
-            needs = self.store.checkpoint_size_estimate(model_id, _SAVE_KINDS[kind], rank)
+            needs = self.store.checkpoints.size_estimate(model_id, _SAVE_KINDS[kind], rank)
             self.check_storage(tenant, needs)
             return {"storage_bytes": float(needs)}
         return {}
@@ -125,7 +125,7 @@ class Quotas:
         limit = self.tenancy.quotas(tenant).storage_bytes
         if limit is None:
             return
-        used = sum(size for _t, _r, size in self.store.storage_bytes(tenant)) + (
+        used = sum(size for _t, _r, size in self.store.checkpoints.bytes_per_run(tenant)) + (
             self.admission.reserved(tenant, "storage_bytes")
         )
         if used + needs > limit or used >= limit:
