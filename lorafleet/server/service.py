@@ -326,9 +326,9 @@ class Service:
         """A previous process's pending futures can never finish, its in-memory models are gone,
         and a crash may have left half-written or half-deleted files (recovery.sweep)."""
         body = json.dumps({"error": RESTART_MESSAGE, "category": "server"}).encode()
-        failed = self.store.fail_unfinished_futures(JSON, body)
-        lost = self.store.mark_active_models("lost")
-        pruned = self.store.prune_futures(time.time() - self.config.future_ttl_s)
+        failed = self.store.futures.fail_pending(JSON, body)
+        lost = self.store.models.mark_active_as("lost")
+        pruned = self.store.futures.prune(time.time() - self.config.future_ttl_s)
         files = recovery.sweep(
             self.data_dir, self.store, allow_deletes=self.config.allow_recovery_deletes
         )
@@ -339,7 +339,7 @@ class Service:
         (a crashed client never calls finish, and its adapter slots would stay taken) and
         deletes checkpoints past their TTL."""
         now = time.time()
-        self.store.prune_futures(now - self.config.future_ttl_s)
+        self.store.futures.prune(now - self.config.future_ttl_s)
         self.futures.prune_stored()
         self.disk.refresh()
         self.sessions.expire_stale(
@@ -351,7 +351,7 @@ class Service:
         """Through the engine, as DELETE does, so that a published sampler version goes with its
         files. Not waited for (this may run on a request's thread); a failed deletion is logged
         and tried again at the next maintenance."""
-        for row in self.store.expired_checkpoints(now, EXPIRED_PER_ROUND):
+        for row in self.store.checkpoints.expired(now, EXPIRED_PER_ROUND):
             with self._expiring_lock:
                 if row.tinker_path in self._expiring:
                     continue

@@ -188,7 +188,7 @@ def test_change_ttl_and_delete_a_checkpoint(page, server: ServerThread, tmp_path
         page.fill(f"{row} input.ttl-input", "3600")
         page.click(f"{row} button.ttl-set")
         page.wait_for_selector(f"{row} td.expires:not(:has-text('never'))")
-        expires = server.service.store.get_checkpoint(keep).expires_at
+        expires = server.service.store.checkpoints.get(keep).expires_at
         assert expires is not None and abs(expires - (time.time() + 3600)) < 120
         # the PEFT zip, fetched as the page's link would be (with the session cookie)
         href = page.get_attribute(f"{row} a.download", "href")

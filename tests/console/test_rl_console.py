@@ -34,7 +34,7 @@ def test_rl_prints_the_console_url_and_posts_its_rewards(tmp_path, capsys):
     [run] = seen["overview"]["runs"]  # the run's key saw its run in the console
     store = Store(run_dir / "server-data" / "lorafleet.db")
     try:
-        points = store.run_metrics(seen["overview"]["tenant"], run["id"])
+        points = store.run_metrics.points(seen["overview"]["tenant"], run["id"])
     finally:
         store.close()
     client = {(name, step) for name, source, step, _v, _at in points if source == "client"}

@@ -51,7 +51,7 @@ def test_sweep_repairs_what_a_crash_leaves_behind(tmp_path):
         (weights / name / "state.json").write_text("{}")
     (weights / ".state.json.q9.tmp").write_text("half")  # a temp file, not a directory
     for name in ("keep", "gone", "missing"):
-        store.put_checkpoint(_row(f"tinker://m1/weights/{name}", weights / name))
+        store.checkpoints.put(_row(f"tinker://m1/weights/{name}", weights / name))
     counts = recovery.sweep(tmp_path, store)
     assert sorted(p.name for p in weights.iterdir()) == ["gone", "keep"]
     assert (weights / "gone" / "state.json").read_text() == "{}"  # the set-aside copy came back
@@ -136,9 +136,9 @@ def test_a_seq_id_far_past_the_next_one_fails_at_once(tmp_path):
     for request_id, seq in (("far", 5 + MAX_SEQ_AHEAD + 1), ("near", 5 + MAX_SEQ_AHEAD)):
         futures.create(request_id, "t", kind="optim_step", scope="m", seq_id=seq)
         scheduler.submit(job(request_id, "optim_step", "t", model_id="m", seq_id=seq))
-    far = store.get_future("far")
+    far = store.futures.get("far")
     assert far.state == "failed" and b"ahead of the next one" in far.body
-    assert store.get_future("near").state == "pending" and scheduler.pending() == 1
+    assert store.futures.get("near").state == "pending" and scheduler.pending() == 1
     store.close()
 
 

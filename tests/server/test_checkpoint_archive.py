@@ -76,7 +76,7 @@ def test_archive_route_redirects_to_a_signed_tar_of_the_checkpoint(server, clien
         body = httpx.get(link)  # no key: the signature is the credential
         assert body.status_code == 200 and body.headers["content-type"] == "application/x-tar"
         assert int(body.headers["content-length"]) == len(body.content)
-        on_disk = Path(server.service.store.get_checkpoint(path).dir)
+        on_disk = Path(server.service.store.checkpoints.get(path).dir)
         with tarfile.open(fileobj=io.BytesIO(body.content), mode="r:") as tar:
             members = tar.getmembers()
             assert sorted(m.name for m in members) == sorted(p.name for p in on_disk.iterdir())

@@ -73,7 +73,7 @@ def test_sampler_checkpoint_samples_what_the_trainer_computes(client_a, base_mod
     first = sampler.sample(PROMPT, 2, greedy).result()
     assert first.sequences[0].tokens == first.sequences[1].tokens
     # the files: a PEFT adapter, owner-only
-    row = server.service.store.get_checkpoint(saved)
+    row = server.service.store.checkpoints.get(saved)
     directory = Path(row.dir)
     assert (directory / "adapter_config.json").is_file()
     assert stat.S_IMODE(directory.stat().st_mode) == 0o700
@@ -124,7 +124,7 @@ def test_deleting_a_runs_last_checkpoint_frees_its_directory(client_a, base_mode
     state = tc.save_state("only").result().path
     sampler_path = tc.save_weights_for_sampler("only-w").result().path
     store = server.service.store
-    run_dir = Path(store.get_checkpoint(state).dir).parent.parent
+    run_dir = Path(store.checkpoints.get(state).dir).parent.parent
     assert run_dir.is_dir()
     rest = tinker.RestClient(base_url=server.base_url, api_key=KEY_A)
     rest.delete_checkpoint_from_tinker_path(state).result()
@@ -132,4 +132,4 @@ def test_deleting_a_runs_last_checkpoint_frees_its_directory(client_a, base_mode
     rest.delete_checkpoint_from_tinker_path(sampler_path).result()
     assert not run_dir.exists()
     again = tc.save_state("again").result().path
-    assert Path(store.get_checkpoint(again).dir).is_dir()
+    assert Path(store.checkpoints.get(again).dir).is_dir()

@@ -22,7 +22,7 @@ def _canary(version: str) -> dict[str, Any]:
 def test_another_tenants_canary_version_is_not_shown(tmp_path: Path):
     store = Store(tmp_path / "state.db")
     now = time.time()
-    store.add_model(
+    store.models.add(
         ModelRow("mine:train:0", "a", "s", "tiny-qwen3", 4, {}, None, now, now, "active")
     )
     replicas = [

@@ -137,7 +137,7 @@ def test_no_cookie_is_401_on_every_console_route(server: ServerThread, world: di
     assert rec.client.get(f"{CONSOLE}/static/app.js").status_code == 200
     assert rec.client.get(f"{CONSOLE}/static/..%2Fsessions.py").status_code == 404
     # A's checkpoint was not touched by the refused PUT/DELETE
-    row = server.service.store.get_checkpoint(world["a_path"])
+    row = server.service.store.checkpoints.get(world["a_path"])
     assert row is not None and row.expires_at is None
 
 
@@ -172,7 +172,7 @@ def test_cross_site_writes_are_refused(server: ServerThread, world: dict[str, st
         assert r.status_code == 403, (headers, r.text)
         r = rec.client.delete(url.removesuffix("/ttl"), headers=headers)
         assert r.status_code == 403, (headers, r.text)
-    assert server.service.store.get_checkpoint(world["a_path"]).expires_at is None
+    assert server.service.store.checkpoints.get(world["a_path"]).expires_at is None
     # a cross-site sign-in (login CSRF) is refused too
     r = httpx.post(
         f"{server.base_url}{CONSOLE_API}/session",
@@ -184,12 +184,12 @@ def test_cross_site_writes_are_refused(server: ServerThread, world: dict[str, st
     own = {"X-CSRF-Token": csrf, "Origin": server.base_url, "Sec-Fetch-Site": "same-origin"}
     r = rec.client.put(url, json={"ttl_seconds": 7200}, headers=own)
     assert r.status_code == 200, r.text
-    expires = server.service.store.get_checkpoint(world["a_path"]).expires_at
+    expires = server.service.store.checkpoints.get(world["a_path"]).expires_at
     assert expires is not None and abs(expires - (time.time() + 7200)) < 60
     r = rec.client.put(url, json={"ttl_seconds": None}, headers=own)
     assert (
         r.status_code == 200
-        and server.service.store.get_checkpoint(world["a_path"]).expires_at is None
+        and server.service.store.checkpoints.get(world["a_path"]).expires_at is None
     )
     # signed out: the cookie is dead
     assert rec.client.delete(f"{CONSOLE_API}/session", headers=own).status_code == 200
@@ -234,7 +234,7 @@ def test_tenant_a_reaches_nothing_of_b(server: ServerThread, world: dict[str, st
     series = rec.client.get(f"{CONSOLE_API}/runs/{world['a_run']}").json()["series"]
     assert {s["name"] for s in series} == {"loss", "secret_metric_a"}
     # B's checkpoint survived A's PUT and DELETE
-    row = server.service.store.get_checkpoint(world["b_path"])
+    row = server.service.store.checkpoints.get(world["b_path"])
     assert row is not None and row.expires_at is None
     # and B posting to A's run is a 404 too
     r = httpx.post(
@@ -262,7 +262,7 @@ def test_run_metrics_post_is_bounded(server: ServerThread, world: dict[str, str]
     many = [{"name": f"m{i}", "step": 0, "value": 1.0} for i in range(40)]
     r = httpx.post(url, headers=auth, json={"points": many})
     assert r.status_code == 400 and "metric names" in r.json()["error"]
-    names, _, _ = server.service.store.run_metric_stats(world["a_tenant"], world["a_run"])
+    names, _, _ = server.service.store.run_metrics.stats(world["a_tenant"], world["a_run"])
     assert "m0" not in names  # refused whole: nothing written
 
 

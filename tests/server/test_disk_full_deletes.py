@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 from lorafleet.server.http.sessions import Sessions
 from lorafleet.server.ops.futures import FULL_DISK_STORE_BYTES, FutureTable, Result
@@ -15,6 +16,7 @@ from lorafleet.server.state import disk
 from lorafleet.server.state.keys import Tenant
 from lorafleet.server.state.ownership import Ownership
 from lorafleet.server.state.store import ModelRow, Store
+from lorafleet.server.state.store.sessions import SessionsTable
 
 
 def test_big_results_are_kept_out_of_sqlite_while_the_disk_is_full(tmp_path):
@@ -30,7 +32,7 @@ def test_big_results_are_kept_out_of_sqlite_while_the_disk_is_full(tmp_path):
     full[0] = False
     futures.complete("big-after", big)
 
-    big_row, small_row, after_row = (store.get_future(r) for r in ("big", "small", "big-after"))
+    big_row, small_row, after_row = (store.futures.get(r) for r in ("big", "small", "big-after"))
     assert big_row is not None and big_row.state == "pending"  # not written while full
     assert small_row is not None and small_row.state == "done"  # bookkeeping-sized: written
     assert after_row is not None and after_row.state == "done"
@@ -58,7 +60,7 @@ ckpt.mkdir(parents=True)
 (ckpt / "adapter.bin").write_bytes(b"w" * (512 << 10))
 row = CheckpointRow(path, "t", "m:train:0", "training", "w0", str(ckpt), 0.0, 512 << 10,
                     None, None, {})
-store.put_checkpoint(row)
+store.checkpoints.put(row)
 
 def fill(name):
     with open(root / name, "wb", buffering=0) as out:
@@ -74,7 +76,7 @@ refused = False
 for i in range(400):
     fill(f"filler-{i}")
     try:
-        store.add_future(f"x{i}", "t", None, None, "sample", "p" * 4096)
+        store.futures.add(f"x{i}", "t", None, None, "sample", "p" * 4096)
     except DiskFull:
         refused = True
         break
@@ -83,11 +85,11 @@ files = CheckpointFiles(store, None, SimpleNamespace(retire_checkpoint=retired.a
                         "base", root)
 out = {"refused_before": refused}
 try:
-    files.delete(store.get_checkpoint(path))
+    files.delete(store.checkpoints.get(path))
     out["delete"] = "ok"
 except DiskFull as exc:
     out["delete"] = f"DiskFull: {exc.message}"
-out["row_left"] = store.get_checkpoint(path) is not None
+out["row_left"] = store.checkpoints.get(path) is not None
 out["dir_left"] = ckpt.exists()
 out["retired"] = retired
 print(json.dumps(out))
@@ -109,8 +111,8 @@ def test_deleting_a_checkpoint_works_on_a_disk_with_no_byte_left(tmp_path):
     }
 
 
-class _FullDiskStore(Store):
-    """A real store whose heartbeat writes fail as on a full disk while `full`."""
+class _FullDiskSessions(SessionsTable):
+    """A real sessions table whose heartbeat writes fail as on a full disk while `full`."""
 
     full = True
 
@@ -118,6 +120,12 @@ class _FullDiskStore(Store):
         if self.full:
             raise disk.disk_full_error()
         super().heartbeat(session_id)
+
+
+class _FullDiskStore(Store):
+    def __init__(self, path: Path):
+        super().__init__(path)
+        self.sessions: _FullDiskSessions = _FullDiskSessions(self.database)
 
 
 class _Engine:
@@ -136,7 +144,7 @@ def test_heartbeats_a_full_disk_cannot_store_still_keep_the_session_alive(tmp_pa
     sessions = Sessions(store, Ownership(store), engine, None)
     tenant = Tenant("t")
     session_id = sessions.create(tenant, {"tags": [], "sdk_version": "0.38.0"})["session_id"]
-    store.add_model(
+    store.models.add(
         ModelRow(
             "m", tenant.id, session_id, "base", 4, {}, None, time.time(), time.time(), "active"
         )
@@ -144,6 +152,6 @@ def test_heartbeats_a_full_disk_cannot_store_still_keep_the_session_alive(tmp_pa
     assert sessions.heartbeat(tenant, {"session_id": session_id}) == {"type": "session_heartbeat"}
     sessions.expire_stale(time.time() - 1.0, 900)  # its stored heartbeat is older than this
     assert engine.unloaded == []
-    assert store.get_session(session_id).finished_at is None
+    assert store.sessions.get(session_id).finished_at is None
     sessions.expire_stale(time.time() + 1.0, 900)  # silent past the timeout: expired after all
     assert engine.unloaded == ["m"]

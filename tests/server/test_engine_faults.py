@@ -29,23 +29,31 @@ from lorafleet.server.ops.types import Job
 from lorafleet.server.state import disk
 from lorafleet.server.state.disk import DiskGuard
 from lorafleet.server.state.store import Store
+from lorafleet.server.state.store.futures import FuturesTable
 from tests.server.conftest import KEY_B, connect, sl_datum
 from tests.server.jobs import job
 
 TENANT = "t"
 
 
+class _DiskFullFutures(FuturesTable):
+    """A real futures table whose result writes fail as SQLite fails on a full disk, while
+    `full`."""
+
+    full = True
+
+    def finish(self, request_id: str, state: str, content_type: str, body: bytes) -> None:
+        if self.full:
+            raise sqlite3.OperationalError("database or disk is full")
+        super().finish(request_id, state, content_type, body)
+
+
 class _DiskFullStore(Store):
-    """A real store whose result writes fail as SQLite fails on a full disk, while `full`."""
+    """A real store whose result writes fail while `futures.full`."""
 
     def __init__(self, path: Path):
         super().__init__(path)
-        self.full = True
-
-    def finish_future(self, request_id: str, state: str, content_type: str, body: bytes) -> None:
-        if self.full:
-            raise sqlite3.OperationalError("database or disk is full")
-        super().finish_future(request_id, state, content_type, body)
+        self.futures: _DiskFullFutures = _DiskFullFutures(self.database)
 
 
 class _Engine:
@@ -116,10 +124,10 @@ def test_a_result_that_cannot_be_stored_is_delivered_from_memory_and_the_worker_
         _submit(futures, scheduler, "r2", "forward_backward", 2)
         assert json.loads(_result(futures, "r2").body) == {"ok": "r2"}
         assert scheduler.liveness() == "ok" and futures.unstored == 2
-        store.full = False  # space is back: results are stored again, no restart
+        store.futures.full = False  # space is back: results are stored again, no restart
         _submit(futures, scheduler, "r3", "optim_step", 3)
         _result(futures, "r3")
-        row = store.get_future("r3")
+        row = store.futures.get("r3")
         assert row is not None and row.state == "done"
     finally:
         scheduler.stop()
@@ -272,7 +280,7 @@ def test_stored_results_are_bounded_by_bytes_oldest_first_and_a_late_poll_is_tol
             _finish(futures, f"r{i}", 3_000)
             time.sleep(0.002)  # distinct finish times: "oldest" is well defined
         futures.prune_stored()
-        assert store.stored_result_bytes() <= 10_000
+        assert store.futures.result_bytes() <= 10_000
         assert len(_result(futures, "r7").body) == 3_000
         with pytest.raises(NotFound, match="its result was dropped"):
             _result(futures, "r0")
@@ -341,7 +349,7 @@ root = Path(sys.argv[1])
 guard = DiskGuard(root, 1 << 20)  # capped at 1/16 of the 2 MiB filesystem
 store = Store(root / "lorafleet.db", on_disk_full=guard.release)
 for i in range(40):
-    store.add_future(f"r{i}", "t", None, None, "sample", None)
+    store.futures.add(f"r{i}", "t", None, None, "sample", None)
 
 def fill(name):
     with open(root / name, "wb", buffering=0) as out:
@@ -354,22 +362,22 @@ def fill(name):
 
 fill("filler-1")
 out = {"reserve": guard.reserve_bytes}
-store.finish_future("r1", "done", "application/json", b"{}")  # on a full disk
-out["finished_on_full_disk"] = store.get_future("r1").state
+store.futures.finish("r1", "done", "application/json", b"{}")  # on a full disk
+out["finished_on_full_disk"] = store.futures.get("r1").state
 out["guard_full"] = guard.full
 error = None
 for i in range(200):  # the room the remedies made runs out too: then DiskFull, not OperationalError
     fill(f"filler-more-{i}")
     try:
-        store.add_future(f"x{i}", "t", None, None, "sample", "p" * 4096)
+        store.futures.add(f"x{i}", "t", None, None, "sample", "p" * 4096)
     except DiskFull as exc:
         error = [exc.status, exc.message]
         break
 out["error"] = error
 for path in root.glob("filler*"):
     path.unlink()
-store.add_future("after", "t", None, None, "sample", None)
-out["after_freeing"] = store.get_future("after").state
+store.futures.add("after", "t", None, None, "sample", None)
+out["after_freeing"] = store.futures.get("after").state
 out["guard_after_refresh"] = guard.state()
 print(json.dumps(out))
 """

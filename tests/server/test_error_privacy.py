@@ -34,7 +34,7 @@ def _error_text(call) -> str:
 
 
 def _checkpoint_dir(server: ServerThread, tinker_path: str) -> Path:
-    row = server.service.store.get_checkpoint(tinker_path)
+    row = server.service.store.checkpoints.get(tinker_path)
     assert row is not None
     return Path(row.dir)
 

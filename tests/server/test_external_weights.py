@@ -78,7 +78,7 @@ def test_plain_export_urls_and_signed_links(server, client_a, base_model):
     assert response.expires.timestamp() > time.time() + 600
 
     # the files as served (no API key on the GET) are the export on disk, owner-only there
-    export_dir = Path(server.service.store.get_checkpoint(path).dir)
+    export_dir = Path(server.service.store.checkpoints.get(path).dir)
     assert stat.S_IMODE(export_dir.stat().st_mode) == 0o700
     for name, url in response.urls.items():
         assert _fetch(url) == (export_dir / name).read_bytes()
@@ -99,7 +99,7 @@ def test_plain_export_urls_and_signed_links(server, client_a, base_model):
 
     # a correctly signed link that has expired
     signer = server.service.rest.signer
-    tenant = server.service.store.get_checkpoint(path).tenant
+    tenant = server.service.store.checkpoints.get(path).tenant
     resource = f"{path}/adapter_model.safetensors"
     old = signer.sign(tenant, resource, now=time.time() - 2 * signer.ttl_s)
     assert _status(_with_query(url, **old.query)) == 403

@@ -17,17 +17,24 @@ from tests.server.jobs import job
 from tests.train.test_engine import make_engine
 
 
-class _Rows:
-    """The store's side of LiveModels (rows of models), kept in memory."""
+class _ModelRows:
+    """The store's models table as LiveModels uses it, kept in memory."""
 
     def __init__(self) -> None:
         self.status: dict[str, str] = {}
 
-    def add_model(self, row: ModelRow) -> None:
+    def add(self, row: ModelRow) -> None:
         self.status[row.model_id] = row.status
 
-    def set_model_status(self, model_id: str, status: str) -> None:
+    def set_status(self, model_id: str, status: str) -> None:
         self.status[model_id] = status
+
+
+class _Rows:
+    """The store's side of LiveModels (rows of models), kept in memory."""
+
+    def __init__(self) -> None:
+        self.models = _ModelRows()
 
 
 def _live(tmp_path: Path, busy: set[str], warm_bytes: int = 1 << 30) -> LiveModels:

@@ -4,7 +4,6 @@ Prometheus text at /metrics), kept in SQLite across a restart."""
 
 from __future__ import annotations
 
-import sqlite3
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +16,6 @@ from tinker import types
 
 from lorafleet.server.main import ServerThread
 from lorafleet.server.ops.metering import COUNTERS, utc_day
-from lorafleet.server.state.store import SCHEMA_VERSION, Store
 from tests.server.conftest import KEY_A, KEY_B, sl_datum
 from tests.server.tenant_files import tenants_server_config, write_tenants
 
@@ -145,7 +143,7 @@ def test_checkpoint_storage_is_reported_and_given_back_on_deletion(servers):
             base_model=str(server.service.executor.base_path), rank=4
         ).result()
         path = tc.save_weights_for_sampler("metered").result().path
-        size = server.service.store.get_checkpoint(path).size_bytes
+        size = server.service.store.checkpoints.get(path).size_bytes
         stored = servers.usage(KEY_B).json()["storage"]
         assert size > 0 and stored == {"checkpoint_bytes": size, "runs": {tc.model_id: size}}
         tinker.RestClient(
@@ -164,25 +162,3 @@ def test_usage_survives_a_restart(servers):
         assert totals[counter] == value
     runs = servers.usage(KEY_A).json()["runs"]
     assert runs[servers.model_id]["optimizer_steps"] == 1
-
-
-def test_a_schema_2_database_gains_the_usage_table(tmp_path):
-    path = tmp_path / "lorafleet.db"
-    Store(path).close()
-    with sqlite3.connect(path) as db:  # as a server before metering left it
-        db.execute("DROP TABLE usage")
-        db.execute("DROP TABLE aliases")
-        db.execute("DROP TABLE run_metrics")
-        db.execute("UPDATE meta SET value='2' WHERE key='schema_version'")
-    store = Store(path)
-    try:
-        store.add_usage([("t", "run", "2026-12-01", "trained_tokens", 5.0)])
-        store.add_usage([("t", "run", "2026-12-01", "trained_tokens", 2.0)])
-        assert store.usage_totals("t") == [("t", "run", "trained_tokens", 7.0)]
-    finally:
-        store.close()
-    with sqlite3.connect(path) as db:
-        version = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-        tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-    assert int(version[0]) == SCHEMA_VERSION == 4
-    assert {"usage", "aliases", "run_metrics"} <= tables

@@ -66,7 +66,7 @@ def test_past_the_bound_the_answer_is_429_and_the_sdk_call_still_succeeds(bounde
             assert reply.status_code == 429
             assert reply.headers["retry-after"] == "1"
             assert "max_queued_ops 2" in reply.json()["error"]
-            assert service.store.find_future(tc.model_id, 99) is None  # not recorded
+            assert service.store.futures.find(tc.model_id, 99) is None  # not recorded
         finally:
             service.scheduler.resume()
         outputs = [f.result(timeout=120) for f in futures]

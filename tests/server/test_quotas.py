@@ -59,7 +59,7 @@ def _base(server: ServerThread) -> str:
 
 
 def _models(server: ServerThread, tenant: str) -> int:
-    return server.service.store.list_models(tenant, 100, 0)[1]
+    return server.service.store.models.page(tenant, 100, 0)[1]
 
 
 def test_a_rank_over_max_lora_rank_is_refused_at_create(quota_server, connect):
@@ -129,16 +129,16 @@ def test_storage_bytes_refuse_a_save_and_a_deletion_gives_them_back(quota_server
     tc = client.create_lora_training_client(base_model=_base(quota_server), rank=4).result()
     first = tc.save_state("first").result().path  # nothing stored yet: within the quota
     store = quota_server.service.store
-    stored = sum(size for _t, _r, size in store.storage_bytes("storage"))
+    stored = sum(size for _t, _r, size in store.checkpoints.bytes_per_run("storage"))
     assert stored > 1
     with pytest.raises(
         Refused, match=rf"quota storage_bytes .* limit 1, used {stored} in checkpoints"
     ):
         tc.save_state("second").result()
-    assert [c.name for c in store.list_checkpoints("storage")[0]] == ["first"]
+    assert [c.name for c in store.checkpoints.page("storage")[0]] == ["first"]
     rest = tinker.RestClient(base_url=quota_server.base_url, api_key=KEYS["storage"])
     with pytest.raises(Refused, match=rf"quota storage_bytes .* used {stored} .* needs {stored}"):
         rest.copy_weights(first, "archive").result()  # a copy is a checkpoint too
     rest.delete_checkpoint_from_tinker_path(first).result()
-    assert store.storage_bytes("storage") == []
+    assert store.checkpoints.bytes_per_run("storage") == []
     tc.save_state("third").result()  # the deletion gave the bytes back

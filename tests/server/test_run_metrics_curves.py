@@ -16,7 +16,7 @@ def test_a_long_curve_leaves_the_others_whole_and_is_thinned(tmp_path: Path):
     long = [("t", "r", "acc", step, 0.5, "client", 0.0) for step in range(25_000)]
     loss = [("t", "r", "loss", step, 2.0 - step / 10, "server", 0.0) for step in range(10)]
     other_run = [("t", "r2", "acc", step, 1.0, "client", 0.0) for step in range(5)]
-    store.add_run_metrics(long + loss + other_run)
+    store.run_metrics.add(long + loss + other_run)
     series = {(s["name"], s["source"]): s["points"] for s in RunMetrics(store).series("t", "r")}
     assert set(series) == {("acc", "client"), ("loss", "server")}
     assert series["loss", "server"] == [[step, 2.0 - step / 10] for step in range(10)]

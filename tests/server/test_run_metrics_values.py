@@ -17,7 +17,7 @@ from lorafleet.server.state.store import ModelRow, Store
 def _metrics(tmp_path: Path) -> RunMetrics:
     store = Store(tmp_path / "state.db")
     now = time.time()
-    store.add_model(ModelRow("run-1", "t", "s", "tiny-qwen3", 4, {}, None, now, now, "active"))
+    store.models.add(ModelRow("run-1", "t", "s", "tiny-qwen3", 4, {}, None, now, now, "active"))
     return RunMetrics(store)
 
 
@@ -26,7 +26,7 @@ def test_an_integer_past_float_range_is_refused_as_not_finite(tmp_path: Path):
     huge = 10**400  # what json.loads makes of 400 digits
     with pytest.raises(UserError, match=r"points\[0\]\.value must be a finite number"):
         metrics.post(Tenant("t"), "run-1", {"points": [{"name": "r", "step": 0, "value": huge}]})
-    assert metrics.store.run_metric_stats("t", "run-1")[1] == 0  # nothing written
+    assert metrics.store.run_metrics.stats("t", "run-1")[1] == 0  # nothing written
     assert (
         metrics.post(
             Tenant("t"), "run-1", {"points": [{"name": "r", "step": 0, "value": 10**300}]}

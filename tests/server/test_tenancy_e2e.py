@@ -83,7 +83,7 @@ def _train(service: tinker.ServiceClient, base_model: str, client: int) -> Trace
 
 
 def _state_tensors(server: ServerThread, tinker_path: str) -> dict[str, torch.Tensor]:
-    row = server.service.store.get_checkpoint(tinker_path)
+    row = server.service.store.checkpoints.get(tinker_path)
     assert row is not None, tinker_path
     directory = checkpoint_dir(
         Path(server.config.data_dir), row.tenant, parse_tinker_path(tinker_path)
@@ -308,10 +308,10 @@ def test_a_restart_keeps_usage_and_enforces_a_ttl_that_expired_while_down(tmp_pa
         kept = tc.save_state("kept").result().path
         expiring_dir = checkpoint_dir(
             Path(config.data_dir),
-            first.service.store.get_checkpoint(expiring).tenant,
+            first.service.store.checkpoints.get(expiring).tenant,
             parse_tinker_path(expiring),
         )
-        expires_at = first.service.store.get_checkpoint(expiring).expires_at
+        expires_at = first.service.store.checkpoints.get(expiring).expires_at
         before = _usage(first)
         service.close("success").result(timeout=30)
     finally:
@@ -340,7 +340,7 @@ def test_a_restart_keeps_usage_and_enforces_a_ttl_that_expired_while_down(tmp_pa
         while expiring_dir.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not expiring_dir.exists(), "the expired checkpoint was not deleted after restart"
-        assert second.service.store.get_checkpoint(expiring) is None
+        assert second.service.store.checkpoints.get(expiring) is None
         rest = tinker.RestClient(base_url=second.base_url, api_key=KEY_A)
         listed = {c.tinker_path for c in rest.list_checkpoints(tc.model_id).result().checkpoints}
         assert listed == {kept}

@@ -51,7 +51,7 @@ def _trained(ttl_server: ServerThread, client: tinker.ServiceClient) -> tinker.T
 
 
 def _on_disk(ttl_server: ServerThread, tinker_path: str) -> Path:
-    row = ttl_server.service.store.get_checkpoint(tinker_path)
+    row = ttl_server.service.store.checkpoints.get(tinker_path)
     assert row is not None
     return Path(row.dir)
 
@@ -100,14 +100,14 @@ def test_maintenance_deletes_an_expired_checkpoint_on_an_idle_server(ttl_server,
     sampler_path = tc.save_weights_for_sampler("ttl-idle-sampler", ttl_seconds=TTL_S).result().path
     files = [_on_disk(ttl_server, state), _on_disk(ttl_server, sampler_path)]
     service.executor.versions.info((sampler_path, 0))  # published at save
-    expires = service.store.get_checkpoint(state).expires_at
+    expires = service.store.checkpoints.get(state).expires_at
     deadline = expires + MAINTENANCE_S + 10.0
     while any(f.exists() for f in files) and time.time() < deadline:
         time.sleep(0.05)  # no requests: only the maintenance thread can delete them
     gone_after_s = time.time() - expires
     assert not any(f.exists() for f in files), f"still there {gone_after_s:.1f} s after expiry"
-    assert service.store.get_checkpoint(state) is None
-    assert service.store.get_checkpoint(sampler_path) is None
+    assert service.store.checkpoints.get(state) is None
+    assert service.store.checkpoints.get(sampler_path) is None
     with pytest.raises(UnknownVersionError):
         service.executor.versions.info((sampler_path, 0))
     assert gone_after_s < MAINTENANCE_S + 5.0
@@ -123,9 +123,9 @@ def test_the_owner_may_delete_an_expired_checkpoint_before_maintenance(ttl_serve
     with service._maintenance_lock:  # maintenance cannot run: only the owner deletes it
         state = tc.save_state("ttl-owner-delete", ttl_seconds=1).result().path
         files = _on_disk(ttl_server, state)
-        time.sleep(service.store.get_checkpoint(state).expires_at - time.time() + 0.1)
+        time.sleep(service.store.checkpoints.get(state).expires_at - time.time() + 0.1)
         rest.delete_checkpoint_from_tinker_path(state).result()
-        assert service.store.get_checkpoint(state) is None and not files.exists()
+        assert service.store.checkpoints.get(state) is None and not files.exists()
         assert tc.save_state("ttl-owner-delete").result().path == state  # the name is free
 
 

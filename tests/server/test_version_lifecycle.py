@@ -73,7 +73,7 @@ def test_delete_while_sampled_succeeds_and_running_samples_finish(client_a, base
     tc = client_a.create_lora_training_client(base_model=base_model, rank=4, seed=31).result()
     _train(tc)
     path = tc.save_weights_for_sampler("in-use").result().path
-    directory = Path(server.service.store.get_checkpoint(path).dir)
+    directory = Path(server.service.store.checkpoints.get(path).dir)
     sampler = client_a.create_sampling_client(model_path=path).result()
     reference = _greedy(sampler)
     key = _versions(server).latest(path)
@@ -105,7 +105,7 @@ def test_overwrite_while_sampled_serves_new_weights_to_new_samples(client_a, bas
     sampler = client_a.create_sampling_client(model_path=path).result()
     old = _greedy(sampler)
     old_key = _versions(server).latest(path)
-    created = server.service.store.get_checkpoint(path).created_at
+    created = server.service.store.checkpoints.get(path).created_at
     _train(tc, lr=5e-2)  # the trainer moves on; the checkpoint still holds the old weights
     running = sampler.sample(PROMPT, 1, LONG)
     _wait_pinned(server, old_key)
@@ -113,7 +113,7 @@ def test_overwrite_while_sampled_serves_new_weights_to_new_samples(client_a, bas
     # before: the future failed with a server error, yet the files had been replaced
     assert tc.save_state("ow", overwrite=True).result().path == path
     assert old_key in _versions(server).retiring()
-    assert server.service.store.get_checkpoint(path).created_at > created  # the row follows
+    assert server.service.store.checkpoints.get(path).created_at > created  # the row follows
     new = _greedy(sampler)
     check = client_a.create_sampling_client(
         model_path=tc.save_weights_for_sampler("ow-check").result().path
@@ -176,7 +176,7 @@ def test_slot_shortage_refuses_before_creating_anything_and_a_retry_succeeds(
     # before: NoFreeSlotError after "b1" was written, and the retry found "already exists"
     with pytest.raises(tinker.RequestFailedError, match="retry"):
         tb.save_weights_for_sampler("b1").result()
-    assert server.service.store.get_checkpoint(path_b) is None
+    assert server.service.store.checkpoints.get(path_b) is None
     rest_b = tinker.RestClient(base_url=server.base_url, api_key=KEY_B)
     assert path_b not in {
         c.tinker_path for c in rest_b.list_user_checkpoints().result().checkpoints

@@ -53,7 +53,7 @@ class ConsoleViews:
     # ------------------------------------------------------------------ tenant
     def overview(self, tenant: Tenant) -> dict[str, Any]:
         """Runs with their state, sampler versions with where they are held, usage and quotas."""
-        rows, total = self.s.store.list_runs(tenant.id, MAX_RUNS, 0)
+        rows, total = self.s.store.models.page(tenant.id, MAX_RUNS, 0)
         ops = self.s.run_ops(tenant.id)
         tiers = self.s.run_tiers(tenant.id)
         runs = []
@@ -76,7 +76,7 @@ class ConsoleViews:
             )
         run_ids = [row.model_id for row in rows]
         rollout = self._rollout(run_ids)
-        samplers, _ = self.s.store.list_checkpoints(tenant.id, None, MAX_CHECKPOINTS, 0)
+        samplers, _ = self.s.store.checkpoints.page(tenant.id, None, MAX_CHECKPOINTS, 0)
         sampler_versions = [
             {
                 "tinker_path": c.tinker_path,
@@ -134,7 +134,7 @@ class ConsoleViews:
 
     def run(self, tenant: Tenant, run: str, after_step: int = -1) -> dict[str, Any]:
         """One run's curves and checkpoints."""
-        row = self.s.store.get_model(run)
+        row = self.s.store.models.get(run)
         if row is None or row.tenant != tenant.id:
             raise NotFound(f"unknown model_id {run!r}")
         return {
@@ -153,7 +153,7 @@ class ConsoleViews:
         listed: list[dict[str, Any]] = first["checkpoints"]
         rows = {
             c.tinker_path: c
-            for c in self.s.store.list_checkpoints(tenant.id, run, MAX_CHECKPOINTS, offset)[0]
+            for c in self.s.store.checkpoints.page(tenant.id, run, MAX_CHECKPOINTS, offset)[0]
         }
         for entry in listed:
             row = rows.get(entry["tinker_path"])
@@ -171,7 +171,7 @@ class ConsoleViews:
     def peft_zip(self, tenant: Tenant, run: str, checkpoint: str) -> tuple[str, bytes]:
         """A sampler checkpoint (a PEFT adapter directory) as a zip: (file name, bytes)."""
         path = parse_tinker_path(f"tinker://{run}/{checkpoint}", "checkpoint_id")
-        row = self.s.store.get_checkpoint(str(path))
+        row = self.s.store.checkpoints.get(str(path))
         if row is None or row.tenant != tenant.id or row.expired():
             raise NotFound(f"unknown checkpoint {path}")
         if row.kind != "sampler":

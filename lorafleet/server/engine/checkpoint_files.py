@@ -61,7 +61,7 @@ class CheckpointFiles:
     def save_state(self, tenant: str, live: LiveModel, args: SaveWeights) -> str:
         """Writes the model's training state; returns its tinker path."""
         path = TinkerPath(live.model_id, "weights", args.name)
-        if self.store.get_checkpoint(str(path)) is not None and not args.overwrite:
+        if self.store.checkpoints.get(str(path)) is not None and not args.overwrite:
             raise UserError(f"checkpoint {path} already exists; pass overwrite=True to replace it")
         dest = checkpoint_dir(self.data_dir, tenant, path)
         faults.point("save_state.begin")
@@ -77,7 +77,7 @@ class CheckpointFiles:
         faults.point("save_state.end")
         # Overwritten: samples from here on load the new files; running ones finish on the old.
         self.publisher.retire_checkpoint(str(path))
-        self.store.put_checkpoint(self._row(tenant, path, dest, "training", args))
+        self.store.checkpoints.put(self._row(tenant, path, dest, "training", args))
         return str(path)
 
     def save_sampler(self, tenant: str, live: LiveModel, name: str, args: SaveSampler) -> str:
@@ -85,7 +85,7 @@ class CheckpointFiles:
         writes its row; returns its tinker path. Publishing first claims a sampler slot before
         anything exists, so a slot shortage (SamplerSlotsBusy) leaves nothing behind."""
         path = TinkerPath(live.model_id, "sampler_weights", name)
-        if self.store.get_checkpoint(str(path)) is not None:
+        if self.store.checkpoints.get(str(path)) is not None:
             raise UserError(f"sampler checkpoint {path} already exists; choose another name")
         dest = checkpoint_dir(self.data_dir, tenant, path)
         key = self.publisher.publish_checkpoint(live.slot, str(path))
@@ -101,7 +101,7 @@ class CheckpointFiles:
             exported = True
             faults.point("save_sampler.end")
             self.publisher.saved(key, dest)
-            self.store.put_checkpoint(self._row(tenant, path, dest, "sampler", args))
+            self.store.checkpoints.put(self._row(tenant, path, dest, "sampler", args))
         except BaseException:
             # No row names the path, so no sample can have pinned the version.
             self.publisher.sampler.versions.drop(key)
@@ -114,7 +114,7 @@ class CheckpointFiles:
         """Exports the model's adapter for download (`save_weights_external`, see
         external_weights.py); returns its tinker path."""
         path = TinkerPath(live.model_id, "external_weights", args.name)
-        if self.store.get_checkpoint(str(path)) is not None:
+        if self.store.checkpoints.get(str(path)) is not None:
             raise UserError(
                 f"external weights {path} already exist; choose another name or delete them first"
             )
@@ -129,7 +129,7 @@ class CheckpointFiles:
             )
         except (ValueError, FileExistsError) as exc:
             raise UserError(f"save_weights_external {path}: {exception_text(exc)}") from None
-        self.store.put_checkpoint(self._row(tenant, path, dest, "external", args))
+        self.store.checkpoints.put(self._row(tenant, path, dest, "external", args))
         return str(path)
 
     def delete(self, checkpoint: CheckpointRow) -> None:
@@ -143,10 +143,10 @@ class CheckpointFiles:
         repeated delete removes."""
         self.publisher.retire_checkpoint(checkpoint.tinker_path)
         try:
-            self.store.delete_checkpoint(checkpoint.tinker_path)
+            self.store.checkpoints.delete(checkpoint.tinker_path)
         except DiskFull:
             remove_tree(Path(checkpoint.dir))
-            self.store.delete_checkpoint(checkpoint.tinker_path)
+            self.store.checkpoints.delete(checkpoint.tinker_path)
         remove_tree(Path(checkpoint.dir))
         prune_empty_parents(Path(checkpoint.dir), self.data_dir / TENANTS_DIR)
 
@@ -158,7 +158,7 @@ class CheckpointFiles:
         kind: str,
         args: SaveWeights | SaveSampler | SaveExternal,
     ) -> CheckpointRow:
-        model = self.store.get_model(path.model_id)
+        model = self.store.models.get(path.model_id)
         assert model is not None
         return CheckpointRow(
             tinker_path=str(path),

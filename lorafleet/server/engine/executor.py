@@ -155,12 +155,12 @@ class Executor:
             return Result.json({"path": path, "type": "save_weights_for_sampler"})
         assert op.sampling_session_seq_id is not None
         sampler_id = ids.sampling_session_id(live.session_id, op.sampling_session_seq_id)
-        if self.store.get_sampling_session(sampler_id) is not None:
+        if self.store.sampling_sessions.get(sampler_id) is not None:
             raise UserError(
                 f"sampling_session_seq_id {op.sampling_session_seq_id} is already used in session {live.session_id}"
             )
         adapter_id, version = self.publisher.publish_ephemeral(live, inflight=op.inflight)
-        self.store.add_sampling_session(
+        self.store.sampling_sessions.add(
             SamplingSessionRow(
                 sampler_id,
                 job.tenant,

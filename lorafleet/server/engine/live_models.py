@@ -348,7 +348,7 @@ class LiveModels:
     ) -> None:
         """Records a model whose adapter now sits in `slot`: its row, then its live entry."""
         now = time.time()
-        self.store.add_model(
+        self.store.models.add(
             ModelRow(
                 model_id=model_id,
                 tenant=tenant,
@@ -387,4 +387,4 @@ class LiveModels:
                     self._slot_left(run)
                 if run.cold is not None:
                     shutil.rmtree(run.cold)
-            self.store.set_model_status(model_id, "unloaded")
+            self.store.models.set_status(model_id, "unloaded")

@@ -142,7 +142,7 @@ class SampleBatches:
                     "restart; use save_weights_for_sampler(name) for durable weights"
                 )
             return key
-        checkpoint = self.store.get_checkpoint(args.checkpoint_path)
+        checkpoint = self.store.checkpoints.get(args.checkpoint_path)
         if checkpoint is None:
             raise NotFound(f"checkpoint {args.checkpoint_path} was deleted")
         if checkpoint.tenant != tenant and not public_checkpoints.is_public(checkpoint):

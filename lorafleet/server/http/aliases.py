@@ -59,7 +59,7 @@ class Aliases:
         self.ownership.readable_checkpoint(tenant, parse_tinker_path(target, "target"))
         assert isinstance(target, str)  # parse_tinker_path accepted it
         at = time.time()
-        if not self.store.put_alias(tenant.id, alias, target, at, MAX_ALIASES):
+        if not self.store.aliases.put(tenant.id, alias, target, at, MAX_ALIASES):
             raise UserError(
                 f"you already have {MAX_ALIASES} aliases, this server's limit; delete one first",
                 status=403,
@@ -68,18 +68,18 @@ class Aliases:
 
     def get(self, tenant: Tenant, alias: str) -> dict[str, Any]:
         check_alias_name(alias)
-        found = self.store.get_alias(tenant.id, alias)
+        found = self.store.aliases.get(tenant.id, alias)
         if found is None:
             raise NotFound(f"unknown alias {alias!r}")
         return _view(alias, *found)
 
     def list(self, tenant: Tenant) -> dict[str, Any]:
-        rows = self.store.list_aliases(tenant.id, MAX_ALIASES)
+        rows = self.store.aliases.of_tenant(tenant.id, MAX_ALIASES)
         return {"aliases": [_view(*row) for row in rows]}
 
     def delete(self, tenant: Tenant, alias: str) -> dict[str, Any]:
         check_alias_name(alias)
-        if not self.store.delete_alias(tenant.id, alias):
+        if not self.store.aliases.delete(tenant.id, alias):
             raise NotFound(f"unknown alias {alias!r}")
         return {}
 
@@ -92,7 +92,7 @@ class Aliases:
             check_alias_name(name)
         except UserError:
             return None
-        found = self.store.get_alias(tenant.id, name)
+        found = self.store.aliases.get(tenant.id, name)
         return None if found is None else found[0]
 
 

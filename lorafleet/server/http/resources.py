@@ -76,11 +76,11 @@ class Rest:
         """Another tenant's run (reached through a published checkpoint) shows its newest
         published checkpoints only: the private ones' names are the owner's business."""
         if row.tenant == tenant.id:
-            last = self.store.last_checkpoint(row.model_id, "training")
-            last_sampler = self.store.last_checkpoint(row.model_id, "sampler")
+            last = self.store.checkpoints.latest(row.model_id, "training")
+            last_sampler = self.store.checkpoints.latest(row.model_id, "sampler")
         else:
-            last = self.store.last_public_checkpoint(row.model_id, "training")
-            last_sampler = self.store.last_public_checkpoint(row.model_id, "sampler")
+            last = self.store.checkpoints.latest_public(row.model_id, "training")
+            last_sampler = self.store.checkpoints.latest_public(row.model_id, "sampler")
         return resource_json.training_run(row, last, last_sampler)
 
     def list_training_runs(
@@ -96,7 +96,7 @@ class Rest:
         limit, offset = resource_json.page(limit, offset)
         if access_scope not in ("owned", "accessible"):
             raise UserError(f"access_scope must be 'owned' or 'accessible', got {access_scope!r}")
-        rows, total = self.store.list_runs(
+        rows, total = self.store.models.page(
             tenant.id,
             limit,
             offset,
@@ -121,12 +121,12 @@ class Rest:
         if run_id is not None:
             run = self.ownership.readable_model(tenant, run_id, "accessible")
             if run.tenant != tenant.id:
-                rows, total = self.store.list_public_checkpoints(run_id, limit, offset)
+                rows, total = self.store.checkpoints.public_page(run_id, limit, offset)
                 return {
                     "checkpoints": [resource_json.checkpoint(r) for r in rows],
                     "cursor": resource_json.cursor(offset, limit, total),
                 }
-        rows, total = self.store.list_checkpoints(tenant.id, run_id, limit, offset)
+        rows, total = self.store.checkpoints.page(tenant.id, run_id, limit, offset)
         return {
             "checkpoints": [resource_json.checkpoint(r) for r in rows],
             "cursor": resource_json.cursor(offset, limit, total),
@@ -143,7 +143,7 @@ class Rest:
         req = schemas.parse(schemas.SetTtl, body)
         row = self.ownership.checkpoint(tenant, _checkpoint_path(run_id, checkpoint_id))
         row.expires_at = parse.expires_at(req.ttl_seconds)
-        self.store.put_checkpoint(row)
+        self.store.checkpoints.put(row)
         return {}
 
     def weights_info(self, tenant: Tenant, body: Any) -> dict[str, Any]:
@@ -159,7 +159,7 @@ class Rest:
         attempt arrived, say) succeeds; the SDK documents a 409 there, but it retries 409s."""
         row = self.ownership.checkpoint(tenant, _checkpoint_path(run_id, checkpoint_id))
         public_checkpoints.with_public(row, public)
-        if not self.store.set_checkpoint_info(row.tinker_path, row.info):
+        if not self.store.checkpoints.set_info(row.tinker_path, row.info):
             raise NotFound(f"checkpoint {row.tinker_path} was deleted")
         return {}
 
@@ -200,7 +200,7 @@ class Rest:
         that is not one of its files: 404. Nothing outside the export's own files is served."""
         owner = self.signer.verify(tenant, _external_resource(run_id, name, file), expires, sig)
         path = parse_tinker_path(f"tinker://{run_id}/external_weights/{name}")
-        row = self.store.get_checkpoint(str(path))
+        row = self.store.checkpoints.get(str(path))
         if row is None or row.tenant != owner or row.expired():
             raise NotFound(f"external weights {path} do not exist any more")
         directory = Path(row.dir)
@@ -235,7 +235,7 @@ class Rest:
         parsed), 404 once the checkpoint is gone."""
         owner = self.signer.verify(tenant, _archive_resource(run_id, segment, name), expires, sig)
         path = parse_tinker_path(f"tinker://{run_id}/{segment}/{name}")
-        row = self.store.get_checkpoint(str(path))
+        row = self.store.checkpoints.get(str(path))
         if row is None or row.tenant != owner or row.expired():
             raise NotFound(f"checkpoint {path} does not exist any more")
         directory = Path(row.dir)
@@ -255,7 +255,7 @@ class Rest:
                 "or published ones"
             )
         if idempotency_key is not None:
-            earlier = self.store.find_copy(tenant.id, idempotency_key)
+            earlier = self.store.checkpoints.find_copy(tenant.id, idempotency_key)
             if earlier is not None:
                 return {"tinker_path": earlier.tinker_path}
         source_path = parse_tinker_path(req.source_path, "source_path")
@@ -278,15 +278,15 @@ class Rest:
         session_id, new_session = self._copy_session(tenant, req, source_path)
         model_id = ids.model_id(session_id, req.model_seq_id or 0)
         if (
-            self.store.get_model(model_id) is not None
-            or self.store.find_future(model_id, 0) is not None
+            self.store.models.get(model_id) is not None
+            or self.store.futures.find(model_id, 0) is not None
         ):
             raise Conflict(f"model {model_id!r} already exists; use another model_seq_id")
         dest_path = TinkerPath(model_id, source_path.segment, source_path.name)
 
         def copy() -> dict[str, Any]:
             # On the engine worker: serialised with deletions and overwrites of the source.
-            current = self.store.get_checkpoint(str(source_path))
+            current = self.store.checkpoints.get(str(source_path))
             if current is None or current.dir != source.dir:
                 raise NotFound(f"checkpoint {source_path} was deleted or replaced; not copied")
             dest = checkpoint_dir(self.data_dir, tenant.id, dest_path)
@@ -295,8 +295,8 @@ class Rest:
             except FileExistsError as exc:
                 raise Conflict(f"copy_weights {dest_path}: {exception_text(exc)}") from None
             if new_session is not None:
-                self.store.add_session(session_id, tenant.id, new_session)
-                self.store.finish_session(session_id, "copy_weights")
+                self.store.sessions.add(session_id, tenant.id, new_session)
+                self.store.sessions.finish(session_id, "copy_weights")
             self._add_copy(tenant, source, dest_path, dest, session_id, expires_at, idempotency_key)
             return {"tinker_path": str(dest_path)}
 
@@ -336,7 +336,7 @@ class Rest:
     ) -> None:
         now = time.time()
         lora = source.info["lora"]
-        self.store.add_model(
+        self.store.models.add(
             ModelRow(
                 model_id=path.model_id,
                 tenant=tenant.id,
@@ -354,7 +354,7 @@ class Rest:
         info["copied_from"] = source.tinker_path
         if idempotency_key is not None:
             info["copy_key"] = idempotency_key
-        self.store.put_checkpoint(
+        self.store.checkpoints.put(
             CheckpointRow(
                 tinker_path=str(path),
                 tenant=tenant.id,
@@ -385,6 +385,8 @@ class Rest:
                 "size_gigabytes": size / GIGABYTE,
                 "estimated_monthly_cost_usd": None,
             }
-            for project, count, size in self.store.checkpoint_usage(tenant.id, project_id)
+            for project, count, size in self.store.checkpoints.usage_by_project(
+                tenant.id, project_id
+            )
         ]
         return {"effective_rate_usd_per_gigabyte_month": None, "data": data}

@@ -50,7 +50,7 @@ class Sampling:
             base_model = self.served.check(req.base_model)
         else:
             raise UserError("create_sampling_session needs base_model or model_path")
-        existing = self.store.get_sampling_session(sampler_id)
+        existing = self.store.sampling_sessions.get(sampler_id)
         if existing is not None:
             if (
                 existing.tenant == tenant.id
@@ -61,7 +61,7 @@ class Sampling:
             raise Conflict(
                 f"sampling_session_seq_id {req.sampling_session_seq_id} is already used in session {req.session_id}"
             )
-        self.store.add_sampling_session(
+        self.store.sampling_sessions.add(
             SamplingSessionRow(
                 sampler_id,
                 tenant.id,

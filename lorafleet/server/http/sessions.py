@@ -110,7 +110,7 @@ class Sessions:
     def create(self, tenant: Tenant, body: Any) -> dict[str, Any]:
         req = schemas.parse(schemas.CreateSession, body)
         session_id = ids.new_session_id()
-        self.store.add_session(session_id, tenant.id, req.model_dump())
+        self.store.sessions.add(session_id, tenant.id, req.model_dump())
         return {"session_id": session_id, "type": "create_session"}
 
     def heartbeat(self, tenant: Tenant, body: Any) -> dict[str, Any]:
@@ -119,7 +119,7 @@ class Sessions:
         if row.finished_at is not None:
             raise ApiError(f"session {req.session_id!r} has finished", status=410)
         try:
-            self.store.heartbeat(req.session_id)
+            self.store.sessions.heartbeat(req.session_id)
         except DiskFull:
             # The client is alive whether or not the disk can say so: kept in memory, else a
             # full-disk episode longer than the session timeout would unload every tenant's
@@ -135,7 +135,7 @@ class Sessions:
         req = schemas.parse(schemas.FinishSession, body)
         self.ownership.session(tenant, session_id, active=False)
         reason = (req.reason or {}).get("type")
-        self.store.finish_session(session_id, str(reason) if reason is not None else None)
+        self.store.sessions.finish(session_id, str(reason) if reason is not None else None)
         with self._beats_lock:
             self._beats_in_memory.pop(session_id, None)
         self._unload_models(session_id, "finished")
@@ -143,16 +143,18 @@ class Sessions:
 
     def expire_stale(self, heartbeat_before: float, timeout_s: float) -> None:
         """Finishes the sessions whose last heartbeat is older than `heartbeat_before`."""
-        for session in self.store.stale_sessions(heartbeat_before):
+        for session in self.store.sessions.stale(heartbeat_before):
             with self._beats_lock:
                 if self._beats_in_memory.get(session.session_id, 0.0) >= heartbeat_before:
                     continue
                 self._beats_in_memory.pop(session.session_id, None)
-            self.store.finish_session(session.session_id, "expired")
+            self.store.sessions.finish(session.session_id, "expired")
             self._unload_models(session.session_id, f"sent no heartbeat for {timeout_s:.0f} s")
 
     def _unload_models(self, session_id: str, why: str) -> None:
-        models = [m.model_id for m in self.store.session_models(session_id) if m.status == "active"]
+        models = [
+            m.model_id for m in self.store.models.of_session(session_id) if m.status == "active"
+        ]
         if models:
             message = f"session {session_id} {why}; its models were unloaded (resume one from a checkpoint)"
             self.engine.unload_models(models, message)
@@ -161,15 +163,17 @@ class Sessions:
     def get(self, tenant: Tenant, session_id: str, access_scope: str) -> dict[str, Any]:
         _check_scope(access_scope)
         row = self.ownership.session(tenant, session_id, active=False)
-        runs = [m.model_id for m in self.store.session_models(session_id)]
-        return resource_json.session(row, runs, self.store.session_sampler_ids(session_id))
+        runs = [m.model_id for m in self.store.models.of_session(session_id)]
+        return resource_json.session(
+            row, runs, self.store.sampling_sessions.ids_of_session(session_id)
+        )
 
     def list_ids(
         self, tenant: Tenant, limit: int, offset: int, access_scope: str
     ) -> dict[str, Any]:
         _check_scope(access_scope)
         limit, offset = resource_json.page(limit, offset)
-        rows, _total = self.store.list_sessions(tenant.id, limit, offset)
+        rows, _total = self.store.sessions.page(tenant.id, limit, offset)
         return {"sessions": [r.session_id for r in rows]}
 
     def assign_project(self, tenant: Tenant, session_id: str, body: Any) -> dict[str, Any]:
@@ -180,7 +184,7 @@ class Sessions:
                 f"got {req.project_id[:80]!r}"
             )
         row = self.ownership.session(tenant, session_id, active=False)
-        self.store.set_session_info(session_id, {**row.info, "project_id": req.project_id})
+        self.store.sessions.set_info(session_id, {**row.info, "project_id": req.project_id})
         return {}
 
     def search(self, tenant: Tenant, body: Any) -> dict[str, Any]:
@@ -191,14 +195,16 @@ class Sessions:
         found: list[SessionRow] = []
         before = None if req.cursor is None else self._cursor(tenant, req.cursor)
         while not search.nobody and len(found) <= req.limit:
-            batch = self.store.sessions_before(tenant.id, before, SEARCH_BATCH)
+            batch = self.store.sessions.before(tenant.id, before, SEARCH_BATCH)
             found += [row for row in batch if search.matches(row)]
             if len(batch) < SEARCH_BATCH:
                 break
             before = (batch[-1].created_at, batch[-1].session_id)
         page, more = found[: req.limit], len(found) > req.limit
         summaries = [
-            resource_json.session_summary(row, *self.store.session_checkpoint_usage(row.session_id))
+            resource_json.session_summary(
+                row, *self.store.checkpoints.session_usage(row.session_id)
+            )
             for row in page
         ]
         last = page[-1] if more else None
@@ -215,7 +221,7 @@ class Sessions:
     def _cursor(self, tenant: Tenant, cursor: schemas.SearchCursor) -> tuple[float, str]:
         """The exact position: the named session's own timestamp (the ISO form the client
         echoes back is rounded to microseconds)."""
-        row = self.store.get_session(cursor.last_session_id)
+        row = self.store.sessions.get(cursor.last_session_id)
         if row is not None and row.tenant == tenant.id:
             return row.created_at, row.session_id
         try:
@@ -244,18 +250,18 @@ class Sessions:
         ui.perfetto.dev opens (the SDK names the file `.pftrace`; Perfetto reads both): one
         track per training run or sampler, one slice per request from submission to result."""
         owner = self.signer.verify(signed_for, f"trace/{session_id}", expires, sig)
-        row = self.store.get_session(session_id)
+        row = self.store.sessions.get(session_id)
         if row is None or row.tenant != owner:
             raise NotFound(f"unknown session_id {session_id!r}")
-        scopes = [m.model_id for m in self.store.session_models(session_id)]
-        scopes += self.store.session_sampler_ids(session_id)
+        scopes = [m.model_id for m in self.store.models.of_session(session_id)]
+        scopes += self.store.sampling_sessions.ids_of_session(session_id)
         track = {scope: i + 1 for i, scope in enumerate(scopes)}
         now = time.time()
         events: list[dict[str, Any]] = [
             {"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": scope}}
             for scope, tid in track.items()
         ]
-        for future in self.store.scope_futures(scopes, MAX_TRACE_EVENTS):
+        for future in self.store.futures.of_scopes(scopes, MAX_TRACE_EVENTS):
             end = future.finished_at if future.finished_at is not None else now
             events.append(
                 {

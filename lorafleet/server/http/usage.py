@@ -57,7 +57,7 @@ class Usage:
             tenant,
             self.metering.rows(tenant, since),
             self.metering.totals(tenant),
-            self.store.storage_bytes(tenant),
+            self.store.checkpoints.bytes_per_run(tenant),
         )
         report["since_day"] = since
         return report
@@ -84,7 +84,7 @@ class Usage:
             return self._one(wanted, since)
         everyone = set(self.tenancy.current.tenants)
         everyone.update(t for t, _run, _c, _v in self.metering.totals(None))
-        everyone.update(t for t, _run, _b in self.store.storage_bytes(None))
+        everyone.update(t for t, _run, _b in self.store.checkpoints.bytes_per_run(None))
         return {"tenants": {t: self._one(t, since) for t in sorted(everyone)}}
 
     def _known(self, tenant: str) -> bool:
@@ -93,7 +93,7 @@ class Usage:
         return (
             tenant in self.tenancy.current.tenants
             or bool(self.metering.totals(tenant))
-            or bool(self.store.storage_bytes(tenant))
+            or bool(self.store.checkpoints.bytes_per_run(tenant))
         )
 
     def metrics(self, caller: Tenant) -> bytes:
@@ -160,7 +160,7 @@ class _Collector(Collector):
             labels=["tenant"],
         )
         stored: dict[str, int] = defaultdict(int)
-        for tenant, _run, size in usage.store.storage_bytes(None):
+        for tenant, _run, size in usage.store.checkpoints.bytes_per_run(None):
             stored[tenant] += size
         for tenant, size in sorted(stored.items()):
             storage.add_metric([tenant], size)

@@ -51,9 +51,9 @@ class Models:
     def listing(self, tenant: Tenant) -> dict[str, Any]:
         """The base, the tenant's aliases (newest first) and its newest sampler paths."""
         data = [_model(name, 0, "lorafleet") for name in self.served.names]
-        for alias, target, at in self.store.list_aliases(tenant.id, MAX_ALIASES):
+        for alias, target, at in self.store.aliases.of_tenant(tenant.id, MAX_ALIASES):
             data.append({**_model(alias, at, "you"), "root": target})
-        for path, at in self.store.list_sampler_paths(tenant.id, MAX_LISTED_PATHS):
+        for path, at in self.store.checkpoints.sampler_paths(tenant.id, MAX_LISTED_PATHS):
             data.append(_model(path, at, "you"))
         return {"object": "list", "data": data}
 
@@ -62,7 +62,7 @@ class Models:
         target = self.resolve(tenant, model)
         if target.adapter is None:
             return _model(model, 0, "lorafleet")
-        row = self.store.get_checkpoint(target.checkpoint_path or "")
+        row = self.store.checkpoints.get(target.checkpoint_path or "")
         created = 0.0 if row is None else row.created_at
         owner = "you" if row is not None and row.tenant == tenant.id else "published"
         return {**_model(model, created, owner), "root": target.checkpoint_path}

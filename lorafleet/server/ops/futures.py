@@ -123,7 +123,7 @@ class FutureTable:
     ) -> None:
         """Raises sqlite3.IntegrityError when (scope, seq_id) is already taken, DiskFull when
         the row cannot be written."""
-        self.store.add_future(request_id, tenant, scope, seq_id, kind, fingerprint)
+        self.store.futures.add(request_id, tenant, scope, seq_id, kind, fingerprint)
         with self._lock:
             self._pending[request_id] = _Entry(tenant=tenant)
 
@@ -142,7 +142,7 @@ class FutureTable:
                 self.unstored += 1
             return False
         try:
-            self.store.finish_future(
+            self.store.futures.finish(
                 request_id, "failed" if result.failed else "done", result.content_type, result.body
             )
         except Exception:  # delivered from memory instead; logged, counted
@@ -164,7 +164,7 @@ class FutureTable:
         with self._lock:
             self._stored_since_prune = 0
         try:
-            return self.store.prune_futures_to_bytes(self.stored_bytes)
+            return self.store.futures.prune_to_bytes(self.stored_bytes)
         except Exception:  # retried at the next prune; logged
             log.exception("could not prune stored results to %d bytes", self.stored_bytes)
             return 0
@@ -211,7 +211,7 @@ class FutureTable:
         if entry is None and lost is not None:
             entry = _Entry(lost, Result.error(ServerFault(PROBLEM_LOST)))
         if entry is None:
-            row = self.store.get_future(request_id)
+            row = self.store.futures.get(request_id)
             if row is not None and row.state != "pending":
                 assert row.content_type is not None and row.body is not None
                 entry = _Entry(

@@ -91,8 +91,8 @@ class Intake:
         """A create under an id that already names a model is a conflict, unless it is a retry
         of the create that made it (which dedup answers with the original future)."""
         if (
-            self.store.find_future(model_id, 0) is None
-            and self.store.get_model(model_id) is not None
+            self.store.futures.find(model_id, 0) is None
+            and self.store.models.get(model_id) is not None
         ):
             raise Conflict(f"model {model_id!r} already exists")
 
@@ -112,7 +112,7 @@ class Intake:
             )
             place = Place(model.model_id, model.model_id, seq_id, ordered=False)
             return self.submit(tenant, refused, place, fingerprint)
-        self.store.touch_model(model.model_id)
+        self.store.models.touch(model.model_id)
         return self.submit(tenant, op, Place.in_model(model.model_id, seq_id), fingerprint)
 
     def submit(self, tenant: Tenant, op: Op, place: Place, fingerprint: str) -> Promise:
@@ -178,7 +178,7 @@ class Intake:
 
     def _prior(self, tenant: Tenant, scope: str, seq_id: int, fingerprint: str) -> str | None:
         """Dedup on (scope, seq_id): a retry gets the original future, a different payload an error."""
-        prior = self.store.find_future(scope, seq_id)
+        prior = self.store.futures.find(scope, seq_id)
         if prior is None:
             return None
         if prior.tenant == tenant.id and prior.fingerprint == fingerprint:

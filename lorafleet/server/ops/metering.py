@@ -195,7 +195,7 @@ class Metering:
         if day == self._day:
             return
         self._today = defaultdict(float)
-        for tenant, counter, value in self.store.day_usage(day):
+        for tenant, counter, value in self.store.usage.of_day(day):
             self._today[(tenant, counter)] += value
         for (tenant, _run, pending_day, counter), value in self._pending.items():
             if pending_day == day:
@@ -246,7 +246,7 @@ class Metering:
         if not batch:
             return 0
         try:
-            self.store.add_usage([(*key, value) for key, value in batch.items()])
+            self.store.usage.add([(*key, value) for key, value in batch.items()])
         except BaseException:
             with self._lock:
                 for key, value in batch.items():
@@ -286,7 +286,7 @@ class Metering:
     ) -> list[tuple[str, str, str, str, float]]:
         """(tenant, run, day, counter, value): stored plus not yet flushed."""
         merged: dict[Key, float] = defaultdict(float)
-        for t, run, day, counter, value in self.store.usage_rows(tenant, since_day):
+        for t, run, day, counter, value in self.store.usage.by_day(tenant, since_day):
             merged[(t, run, day, counter)] += value
         with self._lock:
             pending = list(self._pending.items())
@@ -298,7 +298,7 @@ class Metering:
     def totals(self, tenant: str | None) -> list[tuple[str, str, str, float]]:
         """(tenant, run, counter, value) over all days: stored plus not yet flushed."""
         merged: dict[tuple[str, str, str], float] = defaultdict(float)
-        for t, run, counter, value in self.store.usage_totals(tenant):
+        for t, run, counter, value in self.store.usage.totals(tenant):
             merged[(t, run, counter)] += value
         with self._lock:
             pending = list(self._pending.items())

@@ -107,7 +107,7 @@ class Quotas:
                 if quotas.max_lora_rank is not None and rank > quotas.max_lora_rank:
                     raise self._refuse(tenant, "max_lora_rank", quotas.max_lora_rank, rank, rank)
                 if quotas.registered_runs is not None:
-                    used = self.store.registered_runs(tenant) + self.admission.reserved(
+                    used = self.store.models.count_registered(tenant) + self.admission.reserved(
                         tenant, "registered_runs"
                     )
                     if used + 1 > quotas.registered_runs:
@@ -127,9 +127,9 @@ class Quotas:
                     return {}
                 if isinstance(op, SaveSampler) and op.name is None:
                     return {}  # ephemeral: not a stored checkpoint
-                model = self.store.get_model(model_id)
+                model = self.store.models.get(model_id)
                 rank = model.lora_rank if model is not None else 0
-                needs = self.store.checkpoint_size_estimate(
+                needs = self.store.checkpoints.size_estimate(
                     model_id, _CHECKPOINT_KINDS[type(op)], rank
                 )
                 self.check_storage(tenant, needs)
@@ -144,7 +144,7 @@ class Quotas:
         limit = self.tenancy.quotas(tenant).storage_bytes
         if limit is None:
             return
-        used = sum(size for _t, _r, size in self.store.storage_bytes(tenant)) + (
+        used = sum(size for _t, _r, size in self.store.checkpoints.bytes_per_run(tenant)) + (
             self.admission.reserved(tenant, "storage_bytes")
         )
         if used + needs > limit or used >= limit:

@@ -88,7 +88,7 @@ class RunMetrics:
         key = (tenant, run)
         step = self._next_step.get(key)
         if step is None:  # a run resumed after a restart goes on from its stored points
-            step = self.store.max_metric_step(tenant, run, SERVER_LOSS, "server") + 1
+            step = self.store.run_metrics.max_step(tenant, run, SERVER_LOSS, "server") + 1
         self._next_step[key] = step + 1
         return step
 
@@ -100,7 +100,7 @@ class RunMetrics:
         if not rows:
             return
         try:
-            self.store.add_run_metrics(rows)
+            self.store.run_metrics.add(rows)
         except BaseException:
             self.flush_failures += 1
             with self._lock:
@@ -110,7 +110,7 @@ class RunMetrics:
     # ------------------------------------------------------------------ a client's points
     def post(self, tenant: Tenant, run: str, body: Any) -> dict[str, Any]:
         """`{"points": [{"name", "step", "value"}, ...]}` for one of the caller's runs."""
-        row = self.store.get_model(run)
+        row = self.store.models.get(run)
         if row is None or row.tenant != tenant.id:
             raise NotFound(f"unknown model_id {run!r}")
         points = _points(body)
@@ -120,7 +120,7 @@ class RunMetrics:
     def _add_points(
         self, tenant: Tenant, run: str, points: list[tuple[str, int, float]]
     ) -> dict[str, Any]:
-        names, count, _ = self.store.run_metric_stats(tenant.id, run)
+        names, count, _ = self.store.run_metrics.stats(tenant.id, run)
         new_names = {name for name, _, _ in points} - names
         if len(names) + len(new_names) > MAX_NAMES_PER_RUN:
             raise UserError(
@@ -133,7 +133,7 @@ class RunMetrics:
                 f"limit of {MAX_POINTS_PER_RUN} per run"
             )
         now = time.time()
-        self.store.add_run_metrics(
+        self.store.run_metrics.add(
             [(tenant.id, run, name, step, value, "client", now) for name, step, value in points]
         )
         return {"accepted": len(points)}
@@ -144,7 +144,7 @@ class RunMetrics:
         MAX_CURVE_POINTS of each."""
         self.flush()
         out: dict[tuple[str, str], dict[str, Any]] = {}
-        for name, source, step, value, _at in self.store.run_metric_curves(
+        for name, source, step, value, _at in self.store.run_metrics.curves(
             tenant, run, after_step, MAX_CURVE_POINTS
         ):
             entry = out.setdefault((name, source), {"name": name, "source": source, "points": []})

@@ -22,7 +22,7 @@ class Ownership:
 
     def session(self, tenant: Tenant, session_id: str, *, active: bool = True) -> SessionRow:
         """`active`: a finished session is refused too (a user error, it is the caller's own)."""
-        row = self.store.get_session(session_id)
+        row = self.store.sessions.get(session_id)
         if row is None or row.tenant != tenant.id:
             raise NotFound(f"unknown session_id {session_id!r}")
         if active and row.finished_at is not None:
@@ -30,7 +30,7 @@ class Ownership:
         return row
 
     def model(self, tenant: Tenant, model_id: str) -> ModelRow:
-        row = self.store.get_model(model_id)
+        row = self.store.models.get(model_id)
         if row is None or row.tenant != tenant.id:
             raise NotFound(f"unknown model_id {model_id!r}")
         return row
@@ -41,7 +41,7 @@ class Ownership:
         """An expired checkpoint is refused before maintenance deletes it, except to its owner's
         delete (`expired_ok`): deleting it early is what maintenance will do anyway, and until
         then its name stays taken."""
-        row = self.store.get_checkpoint(str(path))
+        row = self.store.checkpoints.get(str(path))
         if row is None or row.tenant != tenant.id:
             raise NotFound(f"unknown checkpoint {path}")
         if row.expired() and not expired_ok:
@@ -53,7 +53,7 @@ class Ownership:
     ) -> CheckpointRow:
         """The caller's own checkpoint, or another tenant's published one for reading its
         weights (public_checkpoints.py); its optimizer state stays the owner's (403)."""
-        row = self.store.get_checkpoint(str(path))
+        row = self.store.checkpoints.get(str(path))
         if (
             row is not None
             and row.tenant != tenant.id
@@ -70,18 +70,18 @@ class Ownership:
         has a published checkpoint; "owned" only the caller's."""
         if access_scope not in ("owned", "accessible"):
             raise UserError(f"access_scope must be 'owned' or 'accessible', got {access_scope!r}")
-        row = self.store.get_model(model_id)
+        row = self.store.models.get(model_id)
         if (
             access_scope == "accessible"
             and row is not None
             and row.tenant != tenant.id
-            and self.store.has_public_checkpoint(model_id)
+            and self.store.checkpoints.has_public(model_id)
         ):
             return row
         return self.model(tenant, model_id)
 
     def sampling_session(self, tenant: Tenant, sampler_id: str) -> SamplingSessionRow:
-        row = self.store.get_sampling_session(sampler_id)
+        row = self.store.sampling_sessions.get(sampler_id)
         if row is None or row.tenant != tenant.id:
             raise NotFound(f"unknown sampling_session_id {sampler_id!r}")
         return row

@@ -79,7 +79,7 @@ def _is_checkpoint_place(root: Path, path: Path) -> bool:
 
 def _plan(data_dir: Path, store: Store) -> _Plan:
     """What the repair would do, without touching anything."""
-    rows = store.all_checkpoints()
+    rows = store.checkpoints.all_rows()
     plan = _Plan(rows=len(rows))
     root = data_dir / TENANTS_DIR
     if not root.is_dir():
