@@ -11,7 +11,7 @@ Per-day tokens are checked against what the request can use at most (its forward
 tokens; `num_samples x max_tokens` for a sample) plus what the tenant's admitted, unfinished
 requests may still use (admission.py), so concurrent requests cannot together pass the limit.
 A save is checked against the bytes the tenant stores now plus the likely size of the new
-checkpoint (store.checkpoint_size_estimate), so storage can pass the limit only by the error
+checkpoint (store.checkpoints.size_estimate), so storage can pass the limit only by the error
 of that estimate.
 """
 
