@@ -1,7 +1,10 @@
 """Prints the shape of the package: the longest functions, the largest classes and the
 import graph between lorafleet's sub-packages (the figures an architecture review asks for).
 
-    .venv/bin/python scripts/code_shape.py [--top 10]
+    .venv/bin/python scripts/code_shape.py [--top 10] [--under server] [--root DIR]
+
+`--under server` limits the counts to one sub-package; `--root` reads another checkout's
+`lorafleet/` (a before/after comparison: `git worktree add /tmp/old <commit>`).
 """
 
 from __future__ import annotations
@@ -13,8 +16,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent / "lorafleet"
 
 
-def _module_name(path: Path) -> str:
-    rel = path.relative_to(ROOT.parent).with_suffix("")
+def _module_name(path: Path, root: Path = ROOT) -> str:
+    rel = path.relative_to(root.parent).with_suffix("")
     parts = list(rel.parts)
     if parts[-1] == "__init__":
         parts.pop()
@@ -59,13 +62,21 @@ def _targets(node: ast.AST, module: str, is_package: bool) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--top", type=int, default=10)
+    parser.add_argument("--under", default=None, help="a sub-package of lorafleet, e.g. server")
+    parser.add_argument("--root", type=Path, default=ROOT.parent, help="a checkout's root")
     args = parser.parse_args()
+    root = args.root.resolve() / "lorafleet"
     functions: list[tuple[int, str]] = []
     classes: list[tuple[int, str]] = []
     # (importer, imported) -> True while every import along it is type-only
     edges: dict[tuple[str, str], bool] = {}
-    for path in sorted(ROOT.rglob("*.py")):
-        module = _module_name(path)
+    files = sorted((root / args.under if args.under else root).rglob("*.py"))
+    lines = sum(len(path.read_text().splitlines()) for path in files)
+    print(
+        f"{len(files)} modules, {lines} lines under {root.relative_to(root.parent)}/{args.under or ''}"
+    )
+    for path in files:
+        module = _module_name(path, root)
         tree = ast.parse(path.read_text())
         type_only = _type_only_lines(tree)
         src_pkg = module.split(".")[1] if "." in module else "lorafleet"
