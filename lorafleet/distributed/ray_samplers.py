@@ -760,7 +760,6 @@ class RaySamplerPool:
                     handle.ready.remote(), timeout=max(1.0, deadline - time.monotonic())
                 )
                 self._resync(replica, handle, ready["check"])
-                return
             except (ray.exceptions.RayError, SyncVerificationError, OSError, ValueError) as exc:
                 log.warning("sampler replica %d: restart failed (%s); retrying", replica.index, exc)
                 with self.lock:
@@ -768,6 +767,9 @@ class RaySamplerPool:
                 with contextlib.suppress(Exception):  # best effort cleanup
                     ray.kill(handle, no_restart=True)
                 time.sleep(1.0)
+            else:
+                self.check_liveness()  # what it holds now (its LRU may have let some go)
+                return
         with self.lock:
             replica.state = "dead"
             replica.error = (
@@ -816,7 +818,6 @@ class RaySamplerPool:
                 loaded.add(entry.key)
         for key in stale:
             ray.get(handle.drop.remote(key))
-        self.check_liveness()  # what it holds now (its LRU may have let some of them go)
         log.info(
             "sampler replica %d is back with %d versions", replica.index, len(loaded) - len(stale)
         )

@@ -7,8 +7,8 @@ Streaming: the sampler calls the request's progress hook (`sample.types.TokenHoo
 thread as each token is drawn; the hook hands the token to the request's event loop, and the
 route sends the text as it grows. A sampler that cannot call the hook (its batch runs in
 another process: Ray replicas, a vLLM pool; `SamplerFeatures.token_streaming` false) is not
-given one, and the stream then carries the whole completion at once. What is buffered is at most the request's own tokens, which
-its cost check bounded before it ran. A client that disconnects stops its stream: the hook goes
+given one, and the stream then carries the whole completion at once. What is buffered is at
+most the request's own tokens, which its cost check bounded before it ran. A client that disconnects stops its stream: the hook goes
 quiet and nothing waits for the result, while the sample itself runs to its end (it is metered
 and its result kept like any other), so no other request is touched."""
 
