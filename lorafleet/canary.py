@@ -41,10 +41,10 @@ computed over the same input length as the engine's prefill.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any, Final, Generic, Literal, Protocol, TypeVar, runtime_checkable
+from typing import Final, Generic, Literal, TypeVar
 
 import torch
 
@@ -59,7 +59,6 @@ __all__ = [
     "ReplicaLogprobs",
     "ReplicaProbe",
     "SyncVerificationError",
-    "VerifiesOnPublish",
     "canary_tokens",
     "check_replicas",
     "check_tokens",
@@ -94,7 +93,12 @@ DiffersCheck = Literal["passed", "skipped: adapter is zero (B = 0), equals the b
 
 
 class SyncVerificationError(RuntimeError):
-    """An engine's copy of a version does not compute what the trainer computes."""
+    """An engine's copy of a version does not compute what the trainer computes. `replicas`:
+    the replicas that failed, by the names `check_replicas` was given (empty when not known)."""
+
+    def __init__(self, message: str, *, replicas: Sequence[str] = ()):
+        super().__init__(message)
+        self.replicas = tuple(replicas)
 
 
 @dataclass(frozen=True)
@@ -319,10 +323,12 @@ def check_replicas(
         pool.shutdown(wait=True)
     reports: dict[str, CanaryReport[V]] = {}
     failures: list[str] = []
+    failed: list[str] = []
     for replica, future in running.items():
         exc = future.exception()
         if isinstance(exc, SyncVerificationError):
             failures.append(f"{replica}: {exc}")
+            failed.append(replica)
             continue
         if exc is not None:
             raise exc
@@ -343,16 +349,7 @@ def check_replicas(
             )
         except SyncVerificationError as err:
             failures.append(str(err))
+            failed.append(replica)
     if failures:
-        raise SyncVerificationError("; ".join(failures))
+        raise SyncVerificationError("; ".join(failures), replicas=failed)
     return reports
-
-
-@runtime_checkable
-class VerifiesOnPublish(Protocol):
-    """A version store that runs the canary itself when it publishes from the trainer (on every
-    replica, in parallel, the trainer's side once); `verified` gives what that check measured,
-    so the publisher does not run it a second time. None when the store did not check the
-    version (then the publisher must)."""
-
-    def verified(self, version: Any) -> CanaryReport[Any] | None: ...

@@ -66,9 +66,9 @@ class EngineConfig:
     # which engine samples (lorafleet.sync.rollout_config): None or embedded = the colocated
     # sampler; vLLM/SGLang replicas sample while the colocated trainer stays the source
     rollout: RolloutConfig | None = None
-    # KV of prompt prefixes the embedded sampler keeps across requests (sample/prefix_cache.py);
-    # None = its default (a share of the row pool's KV), 0 = off. Ray sampler replicas keep
-    # their engines' default (this setting and their counters do not reach them yet).
+    # KV of prompt prefixes the embedded sampler keeps across requests (sample/prefix_cache.py),
+    # per Ray sampler replica likewise; None = its default (a share of the row pool's KV),
+    # 0 = off. vLLM/SGLang replicas keep their own.
     prefix_cache_bytes: int | None = None
 
 
@@ -269,6 +269,7 @@ def _ray_engines(
                 max_rows=config.max_sample_rows,
                 device=dist.device,
                 torch_threads=dist.torch_threads,
+                prefix_cache_bytes=config.prefix_cache_bytes,
             ),
             dist.sampler_replicas,
             trainer=trainer,

@@ -8,6 +8,12 @@ The server reaches its engines only through these names, whatever runs them:
   `RayVersionStore`.
 `lorafleet.engines.build_engines` picks one and returns an `EngineSet`.
 
+What an engine can and cannot do is part of its seam, required of every implementation, so the
+server reads it the same way whatever runs and never probes for it (no runtime-checkable
+protocol, no `isinstance` on one, no engine's name above the seam): a `Sampler` declares its
+`features` and reports its `health`, `rollout_stats` and `prefix_cache_stats`; a `VersionStore`
+its `paging` and what it `verified` itself; a `Trainer` its `pager` (None: hard slots).
+
 This module imports types only (under TYPE_CHECKING), so that any layer, however low, may name
 a seam without importing what implements it.
 """
@@ -17,7 +23,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -27,8 +33,11 @@ if TYPE_CHECKING:
 
     from lorafleet.adapters.checkpoint import TrainingState
     from lorafleet.adapters.hparams import OptimHParams
+    from lorafleet.canary import CanaryReport
     from lorafleet.fsio import PathLike
     from lorafleet.model.banks import AdapterSpec, SlotInfo
+    from lorafleet.sample.prefix_cache import PrefixCacheStats
+    from lorafleet.sample.reports import RolloutStats, SamplerFeatures, SamplerHealth
     from lorafleet.sample.types import SampleRequest, SampleResult, VersionKey
     from lorafleet.sample.validate import ModelLimits
     from lorafleet.train.engine import BatchOutput
@@ -39,8 +48,6 @@ __all__ = [
     "AdapterBank",
     "Closeable",
     "EngineSet",
-    "PagingReport",
-    "RolloutReport",
     "Sampler",
     "SlotPager",
     "SlotRows",
@@ -113,6 +120,12 @@ class Trainer(Protocol):
     @property
     def max_length(self) -> int | None: ...
 
+    @property
+    def pager(self) -> SlotPager | None:
+        """This trainer's slots as a cache (`SlotPager`), or None where it keeps hard slots (the
+        sharded trainers): the server then holds a run per slot and refuses one past them."""
+        ...
+
     def create_adapter(
         self, spec: AdapterSpec, slot: int | None = None, *, optimizer: str = "adamw"
     ) -> int:
@@ -161,20 +174,10 @@ class Trainer(Protocol):
     def import_peft(self, src: str | Path, *, slot: int | None = None, seed: int = 0) -> int: ...
 
 
-@runtime_checkable
-class PagingReport(Protocol):
-    """A bank whose slots are a cache reports its paging counters
-    (`lorafleet.model.paging.PagingCounters.as_dict`)."""
-
-    def paging(self) -> dict[str, object]: ...
-
-
-@runtime_checkable
 class SlotPager(Protocol):
-    """A trainer whose slots are a cache: a run's whole state (weights, optimizer moments and
-    step, hyper-parameters, a pending gradient) leaves its slot and comes back bit for bit.
-    The colocated `TrainEngine` is one; the sharded trainers keep hard slots (a server over
-    them refuses a run past its slots)."""
+    """A trainer whose slots are a cache (`Trainer.pager`): a run's whole state (weights,
+    optimizer moments and step, hyper-parameters, a pending gradient) leaves its slot and comes
+    back bit for bit. The colocated `TrainEngine` is one."""
 
     def export_slot(self, slot: int) -> SlotState: ...
 
@@ -183,18 +186,6 @@ class SlotPager(Protocol):
     def write_slot(self, state: SlotState, dest: str | Path) -> int: ...
 
     def read_slot(self, src: str | Path) -> SlotState: ...
-
-
-@runtime_checkable
-class RolloutReport(Protocol):
-    """A sampler over rollout-engine replicas (`lorafleet.sync.pool.RolloutPool`) reports them:
-    `rollout_stats()` is the operator's view (engine, sync mode, each replica's state, versions,
-    last canary, restarts, error) and `health()` is "ok", "degraded" (some replicas out of
-    rotation) or "unavailable" (none verified)."""
-
-    def rollout_stats(self) -> dict[str, object]: ...
-
-    def health(self) -> str: ...
 
 
 class VersionRecord(Protocol):
@@ -242,6 +233,17 @@ class VersionStore(Protocol):
         """Drops `key` once no running sequence uses it (True: at once); refuses new use now."""
         ...
 
+    def paging(self) -> dict[str, object]:
+        """How its versions move in and out of the samplers' slots (the server's
+        `stats()["paging"]["sampler"]`); the counters differ per store, so a dict."""
+        ...
+
+    def verified(self, key: VersionKey) -> CanaryReport[VersionKey] | None:
+        """What the canary measured when this store checked `key` itself while publishing it
+        (on every replica, the trainer's side once), so the publisher does not check it a
+        second time; None when it did not (the in-process store: the publisher checks)."""
+        ...
+
 
 class Sampler(Protocol):
     """Generation over published versions (and the base, adapter None).
@@ -249,10 +251,35 @@ class Sampler(Protocol):
     `submit` queues requests into the running batch and `step` advances it (the server's worker
     interleaves steps with training); `generate` runs requests to completion. A sampler whose
     batches run elsewhere (Ray replicas) completes them inside `submit`, and `step` then has
-    nothing to do."""
+    nothing to do.
+
+    Every sampler also reports itself (`features`, `health`, `rollout_stats`,
+    `prefix_cache_stats`, `lorafleet.sample.reports`): the server reads these the same way
+    whatever samples, with no default of its own. They are read on the server's event loop and
+    stats threads, so they answer from what the sampler already knows (its replicas' last
+    liveness checks), never waiting on a replica."""
 
     @property
     def versions(self) -> VersionStore: ...
+
+    @property
+    def features(self) -> SamplerFeatures:
+        """The request features it honours (the OpenAI routes refuse the others up front)."""
+        ...
+
+    def health(self) -> SamplerHealth:
+        """ "ok", "degraded" (some replicas out of rotation) or "unavailable" (none serves);
+        /healthz's `rollout`."""
+        ...
+
+    def rollout_stats(self) -> RolloutStats:
+        """Which engine samples and each replica's state, versions, last canary, restarts and
+        error: the operator's view (`stats()["rollout"]`, the console)."""
+        ...
+
+    def prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """Its prefix cache (summed over replicas); None where it keeps none that it can read."""
+        ...
 
     @property
     def limits(self) -> ModelLimits: ...

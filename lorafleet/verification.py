@@ -18,7 +18,6 @@ from collections.abc import Sequence
 
 from lorafleet.canary import (
     CanaryReport,
-    VerifiesOnPublish,
     canary_tokens,
     check_tokens,
     compare,
@@ -80,11 +79,12 @@ def publish_verified(
 ) -> tuple[VersionKey, CanaryReport[VersionKey]]:
     """Publishes trainer slot -> sampler, then runs the canary; a failed check withdraws the
     version before raising, so it is never served. A version store that checked every replica
-    itself while publishing (`VerifiesOnPublish`: Ray replicas) is not checked a second time."""
+    itself while publishing (`VersionStore.verified`: Ray and rollout replicas) is not checked a
+    second time."""
     versions = sampler.versions
     key = versions.publish(adapter_id, trainer.bank, trainer_slot, version=version, path=path)
     try:
-        checked = versions.verified(key) if isinstance(versions, VerifiesOnPublish) else None
+        checked = versions.verified(key)
         if checked is not None and tolerance is None:
             return key, checked
         result = canary_check(sampler, key, trainer, trainer_slot, tolerance=tolerance)

@@ -358,3 +358,28 @@ def test_the_server_top_level_holds_only_entry_points():
     stages = sorted(p.name for p in SERVER.iterdir() if (p / "__init__.py").exists())
     assert set(stages) == set(SERVER_STAGES) - {"errors"}, stages
     assert set(top) <= SERVER_TOP | {"errors"}, f"modules beside the stages: {top}"
+
+
+def _probes(source: str) -> list[str]:
+    """Where `source` makes a protocol checkable at run time (`runtime_checkable`), the way an
+    optional capability gets probed with `isinstance` and given a made-up default."""
+    return [
+        f"line {node.lineno}"
+        for node in ast.walk(ast.parse(source))
+        if (isinstance(node, ast.Name) and node.id == "runtime_checkable")
+        or (isinstance(node, ast.Attribute) and node.attr == "runtime_checkable")
+    ]
+
+
+def test_capabilities_are_declared_not_probed():
+    """Capabilities are members of the seams that every implementation declares
+    (docs/architecture.md, `interfaces`): no protocol in the package is checkable at run time."""
+    found = [
+        f"lorafleet/{path.relative_to(PACKAGE)} {where}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for where in _probes(path.read_text())
+    ]
+    assert not found, "runtime-checkable protocols (declare the capability instead):\n" + "\n".join(
+        found
+    )
+    assert _probes("import typing\n@typing.runtime_checkable\nclass P(typing.Protocol): ...\n")

@@ -4,7 +4,11 @@
 - `RaySamplerPool`: the server's `Sampler` over M replicas. It runs each batch on one replica
   (round robin); a replica that dies is replaced, re-synced with every known version, and only
   then serves again; the batch it was running is re-run on another replica, so no request is
-  lost.
+  lost. A liveness check asks every replica, every `health_interval_s`, for its report (on a
+  concurrency group of its own, so a replica busy generating still answers): the versions it
+  holds, its prefix cache and slot counters. The pool's `rollout_stats` and `health` (what the
+  server's stats and /healthz read) are the replicas' states as the checks and the pool's own
+  calls last found them, without waiting on any replica.
 - `RayVersionStore` (`pool.versions`): the server's `VersionStore`. Publishing asks trainer rank
   0 for the adapter's per-layer tensors as an object-store object and hands that same object to
   every replica (no shared filesystem; the tensors never pass through the server), then checks
@@ -29,7 +33,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +61,15 @@ from lorafleet.fsio import PathLike
 from lorafleet.interfaces import AdapterBank, Trainer
 from lorafleet.model.banks import AdapterSpec
 from lorafleet.sample.canary_probe import generated_prompt_logprobs, version_name
+from lorafleet.sample.prefix_cache import PrefixCacheStats
+from lorafleet.sample.reports import (
+    CanaryRecord,
+    ReplicaState,
+    ReplicaStats,
+    RolloutStats,
+    SamplerFeatures,
+    SamplerHealth,
+)
 from lorafleet.sample.types import SampleRequest, SampleResult, VersionKey
 from lorafleet.sample.validate import ModelLimits
 from lorafleet.sample.versions import (
@@ -69,6 +82,9 @@ from lorafleet.sample.versions import (
 
 log = logging.getLogger(__name__)
 
+HEALTH_GROUP = "health"  # the replicas' concurrency group for liveness checks (one thread)
+LIVENESS_TIMEOUT_S = 10.0  # a replica that does not answer a check within this is unhealthy
+
 
 @dataclass(frozen=True)
 class SamplerSettings:
@@ -80,6 +96,22 @@ class SamplerSettings:
     max_rows: int = 32
     device: str = "cpu"
     torch_threads: int | None = None
+    prefix_cache_bytes: int | None = None  # per replica; None = the engine's default, 0 = off
+
+
+@dataclass(frozen=True)
+class ReplicaCheck:
+    """A replica's answer to a liveness check: where it runs and what it holds now."""
+
+    node_ip: str
+    pid: int
+    versions: tuple[VersionKey, ...]  # in its sampler slots
+    prefix_cache: PrefixCacheStats
+    paging: dict[str, object]  # its version store's slot counters (`PagingCounters.as_dict`)
+
+    @property
+    def where(self) -> str:
+        return f"ray actor on {self.node_ip}, pid {self.pid}"
 
 
 class SamplerReplica:
@@ -110,7 +142,11 @@ class SamplerReplica:
         self.inbox = adapted.add_bank("inbox", num_slots=2, r_max=settings.r_max, trainable=False)
         self.versions = VersionStore(sample, base_model_id=base.model_id)
         self.engine = SampleEngine(
-            adapted, self.versions, tokenizer=base.tokenizer, max_rows=settings.max_rows
+            adapted,
+            self.versions,
+            tokenizer=base.tokenizer,
+            max_rows=settings.max_rows,
+            prefix_cache_bytes=settings.prefix_cache_bytes,
         )
         # versions received and not dropped (resident or evicted)
         self._keys: set[VersionKey] = set()
@@ -124,7 +160,19 @@ class SamplerReplica:
             "dtype": self.engine.dtype,
             "base_model_id": self.base_model_id,
             "pid": os.getpid(),
+            "check": self.check(),
         }
+
+    def check(self) -> ReplicaCheck:
+        """The liveness check's answer (called on `HEALTH_GROUP`'s thread, beside a running
+        batch: everything it reads is behind its owner's lock)."""
+        return ReplicaCheck(
+            node_ip=ray_module().util.get_node_ip_address(),
+            pid=os.getpid(),
+            versions=tuple(self.versions.resident()),
+            prefix_cache=self.engine.prefix_cache_stats(),
+            paging=self.versions.paging(),
+        )
 
     def load(self, key: VersionKey, payload: WirePayload) -> bool:
         """Installs a version from its tensors; False when it is already resident here."""
@@ -199,10 +247,51 @@ class _Entry:
 
 @dataclass
 class _Replica:
+    """One replica as the pool knows it (the pool's lock guards every field)."""
+
     index: int
     handle: Any
     state: str = "ready"  # "ready" | "restarting" | "dead"
     incarnation: int = 0
+    restarts: int = 0
+    error: str | None = None  # why it is not healthy now
+    unanswered: bool = False  # its last liveness check got no answer in time
+    check: ReplicaCheck | None = None  # its last answer (this incarnation's)
+    # the versions it holds: its last answer's, kept up to date by the pool's own loads and
+    # drops in between (`changes` counts those, so an answer older than one is not applied)
+    versions: set[VersionKey] = field(default_factory=set)
+    changes: int = 0
+    last_canary: CanaryRecord | None = None
+
+    @property
+    def name(self) -> str:
+        return replica_name(self.index)
+
+    @property
+    def report_state(self) -> ReplicaState:
+        if self.state == "restarting":
+            return "restarting"
+        if self.state == "dead" or self.unanswered:
+            return "unhealthy"
+        return "healthy"
+
+    def answered(self, check: ReplicaCheck, changes: int) -> None:
+        self.check = check
+        self.unanswered = False
+        if changes == self.changes:
+            self.versions = set(check.versions)
+
+
+def _why(exc: BaseException) -> str:
+    """An error as one short line for the stats (Ray's actor errors run over many lines)."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    text = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def replica_name(index: int) -> str:
+    """How the pool, its canary messages and the stats name replica `index`."""
+    return f"sampler replica {index}"
 
 
 def read_payload(path: Path) -> Payload:
@@ -354,6 +443,14 @@ class RayVersionStore:
         """Always empty: `retire` drops at once here."""
         return []
 
+    def paging(self) -> dict[str, object]:
+        """The versions the pool serves, how many times it sent one again to a replica whose
+        LRU had evicted it (`resent`), and each replica's own sampler-slot counters
+        (`PagingCounters.as_dict`) as of its last liveness check (None before its first)."""
+        with self._lock:
+            versions = len(self._entries)
+        return {"versions": versions, "resent": self._pool.resent, **self._pool.replica_paging()}
+
     def retire(self, key: VersionKey) -> bool:
         """Dropping at once is retiring here: replicas run each batch to completion inside the
         server's call, so no sequence outlives it."""
@@ -401,13 +498,24 @@ class RayVersionStore:
         if self.trainer is None:
             raise ValueError("verify_everywhere needs the trainer the versions come from")
         tokens = self.canary_prompt()
-        reports = check_replicas(
-            key,
-            self._pool.canary_probes(key, tokens),
-            lambda: self._reference(key, trainer_slot),
-            name=version_name(key),
-            tolerance=self.canary_tolerance(),
-        )
+        try:
+            reports = check_replicas(
+                key,
+                self._pool.canary_probes(key, tokens),
+                lambda: self._reference(key, trainer_slot),
+                name=version_name(key),
+                tolerance=self.canary_tolerance(),
+            )
+        except SyncVerificationError as exc:
+            for label in exc.replicas:
+                self._pool.record_canary(
+                    label, CanaryRecord(version_name(key), False, None, time.time())
+                )
+            raise
+        for label, report in reports.items():
+            self._pool.record_canary(
+                label, CanaryRecord(version_name(key), True, report.max_abs_diff, time.time())
+            )
         checked = [reports[name] for name in sorted(reports)]
         if checked:
             with self._lock:
@@ -444,18 +552,29 @@ class RayVersionStore:
         if recorded is None:
             return None
         tokens = self.canary_prompt()
-        reports = check_replicas(
-            key,
-            {label: lambda: _replica_logprobs(handle, key, tokens)},
-            lambda: recorded,
-            name=version_name(key),
-            tolerance=self.canary_tolerance(),
-        )
-        return reports.get(label)
+        try:
+            reports = check_replicas(
+                key,
+                {label: lambda: _replica_logprobs(handle, key, tokens)},
+                lambda: recorded,
+                name=version_name(key),
+                tolerance=self.canary_tolerance(),
+            )
+        except SyncVerificationError:
+            self._pool.record_canary(
+                label, CanaryRecord(version_name(key), False, None, time.time())
+            )
+            raise
+        report = reports.get(label)
+        if report is not None:
+            self._pool.record_canary(
+                label, CanaryRecord(version_name(key), True, report.max_abs_diff, time.time())
+            )
+        return report
 
     def verified(self, version: VersionKey) -> CanaryReport[VersionKey] | None:
         """What the publish check measured (its largest difference over the replicas), None
-        when this store did not check the version (`lorafleet.canary.VerifiesOnPublish`)."""
+        when this store did not check the version (`interfaces.VersionStore.verified`)."""
         with self._lock:
             return self._reports.get(version)
 
@@ -474,6 +593,12 @@ def _replica_logprobs(handle: Any, key: VersionKey, tokens: list[int]) -> Replic
 class RaySamplerPool:
     """The server's `Sampler` over M replica actors (see the module docstring); its version
     store is `versions`."""
+
+    # Every replica runs lorafleet's own sampler, so every request feature is honoured; a batch
+    # runs in the replica's process, so the server hears of its tokens with the result.
+    features = SamplerFeatures(
+        engine="ray", stop_strings=True, top_logprobs=True, token_streaming=False
+    )
 
     def __init__(
         self,
@@ -496,13 +621,18 @@ class RaySamplerPool:
         self.versions = RayVersionStore(self, trainer=trainer, verify=verify)
         self._next = 0
         self.restarts = 0
+        self.resent = 0  # versions sent again to a replica whose LRU had evicted them
         self._busy: dict[int, int] = {}  # replica index -> batches running on it
         self._closed = False
         self._stop = threading.Event()
         options = dict(actor_options or {})
         if settings.device == "cuda":
             options.setdefault("num_gpus", 1)
-        self._actor_class = ray.remote(SamplerReplica).options(max_restarts=0, **options)
+        # liveness checks run on a thread of their own in each actor: a replica busy with a
+        # batch still answers one (its other methods keep running one at a time)
+        self._actor_class = ray.remote(concurrency_groups={HEALTH_GROUP: 1})(
+            SamplerReplica
+        ).options(max_restarts=0, **options)
         self._replicas = [
             _Replica(i, self._actor_class.remote(settings, i)) for i in range(replicas)
         ]
@@ -511,6 +641,8 @@ class RaySamplerPool:
         except BaseException:
             self.close()
             raise
+        for replica, answer in zip(self._replicas, ready, strict=True):
+            replica.answered(answer["check"], replica.changes)
         self.limits: ModelLimits = ready[0]["limits"]
         self.dtype: torch.dtype = ready[0]["dtype"]
         self.base_model_id: str = ready[0]["base_model_id"]
@@ -533,30 +665,45 @@ class RaySamplerPool:
         for replica, incarnation, ref in pending:
             try:
                 ray.get(ref)
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
-                self._failed(replica, incarnation)
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+                self._failed(
+                    replica, incarnation, f"died loading {version_name(entry.key)}: {_why(exc)}"
+                )
+            else:
+                self._holds(replica, incarnation, entry.key, True)
 
     def drop_everywhere(self, key: VersionKey) -> None:
         ray = ray_module()
-        for handle in self._ready_handles():
+        for replica, incarnation, handle in self._ready_targets():
             with contextlib.suppress(ray.exceptions.RayActorError):
                 ray.get(handle.drop.remote(key))
+            self._holds(replica, incarnation, key, False)
 
     def evict_everywhere(self, key: VersionKey) -> None:
         ray = ray_module()
-        for handle in self._ready_handles():
+        for replica, incarnation, handle in self._ready_targets():
             with contextlib.suppress(ray.exceptions.RayActorError):
                 ray.get(handle.evict.remote(key))
+            self._holds(replica, incarnation, key, False)
+
+    def _holds(self, replica: _Replica, incarnation: int, key: VersionKey, held: bool) -> None:
+        """Records a load (`held`) or a drop the pool made on `replica`."""
+        with self.lock:
+            if replica.incarnation != incarnation:
+                return  # replaced meanwhile: its re-sync records what the new actor holds
+            replica.changes += 1
+            if held:
+                replica.versions.add(key)
+            else:
+                replica.versions.discard(key)
 
     def canary_probes(self, key: VersionKey, tokens: list[int]) -> dict[str, ReplicaProbe]:
         """One canary probe per ready replica, already running (every replica computes at
         once); a replica that dies meanwhile is replaced in the background and its probe answers
         None (it is checked again when it comes back)."""
         ray = ray_module()
-        with self.lock:
-            targets = [(r, r.incarnation, r.handle) for r in self._replicas if r.state == "ready"]
         probes: dict[str, ReplicaProbe] = {}
-        for replica, incarnation, handle in targets:
+        for replica, incarnation, handle in self._ready_targets():
             ref = handle.canary_logprobs.remote(key, tokens)
 
             def probe(
@@ -564,25 +711,36 @@ class RaySamplerPool:
             ) -> ReplicaLogprobs | None:
                 try:
                     served, base = ray.get(ref)
-                except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
-                    self._failed(replica, incarnation)
+                except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+                    self._failed(replica, incarnation, f"died in a canary: {_why(exc)}")
                     return None
                 return ReplicaLogprobs(served, base)
 
-            probes[f"sampler replica {replica.index}"] = probe
+            probes[replica.name] = probe
         return probes
+
+    def record_canary(self, label: str, record: CanaryRecord) -> None:
+        """The last canary of the replica named `label` (`replica_name`)."""
+        with self.lock:
+            for replica in self._replicas:
+                if replica.name == label:
+                    replica.last_canary = record
 
     # ================================================================ replica health
     def _ready_handles(self) -> list[Any]:
-        with self.lock:
-            return [r.handle for r in self._replicas if r.state == "ready"]
+        return [handle for _, _, handle in self._ready_targets()]
 
-    def _failed(self, replica: _Replica, incarnation: int) -> None:
+    def _ready_targets(self) -> list[tuple[_Replica, int, Any]]:
+        with self.lock:
+            return [(r, r.incarnation, r.handle) for r in self._replicas if r.state == "ready"]
+
+    def _failed(self, replica: _Replica, incarnation: int, reason: str) -> None:
         with self.lock:
             if self._closed or replica.state != "ready" or replica.incarnation != incarnation:
                 return  # already being replaced
             replica.state = "restarting"
-            log.warning("sampler replica %d failed; replacing it", replica.index)
+            replica.error = reason
+            log.warning("sampler replica %d failed (%s); replacing it", replica.index, reason)
         threading.Thread(
             target=self._restart,
             args=(replica,),
@@ -598,25 +756,35 @@ class RaySamplerPool:
         while time.monotonic() < deadline and not self._closed:
             handle = self._actor_class.remote(self.settings, replica.index)
             try:
-                ray.get(handle.ready.remote(), timeout=max(1.0, deadline - time.monotonic()))
-                self._resync(replica, handle)
-                return
+                ready = ray.get(
+                    handle.ready.remote(), timeout=max(1.0, deadline - time.monotonic())
+                )
+                self._resync(replica, handle, ready["check"])
             except (ray.exceptions.RayError, SyncVerificationError, OSError, ValueError) as exc:
                 log.warning("sampler replica %d: restart failed (%s); retrying", replica.index, exc)
+                with self.lock:
+                    replica.error = f"restart failed, retrying: {_why(exc)}"
                 with contextlib.suppress(Exception):  # best effort cleanup
                     ray.kill(handle, no_restart=True)
                 time.sleep(1.0)
+            else:
+                self.check_liveness()  # what it holds now (its LRU may have let some go)
+                return
         with self.lock:
             replica.state = "dead"
+            replica.error = (
+                f"could not be restarted within {self.restart_timeout_s:.0f} s ({replica.error})"
+            )
             self._ready.notify_all()
         log.error("sampler replica %d could not be restarted", replica.index)
 
-    def _resync(self, replica: _Replica, handle: Any) -> None:
+    def _resync(self, replica: _Replica, handle: Any, check: ReplicaCheck) -> None:
         """Loads every version the store serves, then puts the replica back in rotation;
         versions published meanwhile are caught by the loop (the last check and the switch are
-        atomic)."""
+        atomic). `check`: the new actor's first answer."""
         ray = ray_module()
         loaded: set[VersionKey] = set()
+        held: set[VersionKey] = set()  # those actually sent (a version whose files are gone is not)
         stale: list[VersionKey] = []  # set when the loop ends (nothing left to load)
         while True:
             with self.lock:
@@ -628,6 +796,10 @@ class RaySamplerPool:
                     replica.handle = handle
                     replica.incarnation += 1
                     replica.state = "ready"
+                    replica.error = None
+                    replica.restarts += 1
+                    replica.answered(check, replica.changes)
+                    replica.versions = held & current
                     self.restarts += 1
                     self._ready.notify_all()
                     break
@@ -641,7 +813,8 @@ class RaySamplerPool:
                 else:
                     ray.get(handle.load.remote(entry.key, source))
                     # before it serves again: the trainer's side was recorded at publish
-                    self.versions.verify_on(f"sampler replica {replica.index}", handle, entry.key)
+                    self.versions.verify_on(replica.name, handle, entry.key)
+                    held.add(entry.key)
                 loaded.add(entry.key)
         for key in stale:
             ray.get(handle.drop.remote(key))
@@ -650,23 +823,57 @@ class RaySamplerPool:
         )
 
     def _monitor(self, interval_s: float) -> None:
-        """Finds replicas that died while idle (a call to a busy one would just wait, so only an
-        answer that says "dead" counts)."""
-        ray = ray_module()
+        """The liveness check, every `interval_s`: finds replicas that died while idle (and
+        replaces them), and records every live one's answer."""
         while not self._stop.wait(interval_s):
+            self.check_liveness()
+
+    def check_liveness(self, timeout_s: float = LIVENESS_TIMEOUT_S) -> None:
+        """Asks every replica in rotation for its report at once (`HEALTH_GROUP`, so a busy one
+        answers too). A dead actor is replaced; one that does not answer within `timeout_s`
+        stays in rotation (Ray still holds it alive) but shows as unhealthy until it does."""
+        ray = ray_module()
+        with self.lock:
+            targets = [
+                (r, r.incarnation, r.changes, r.handle)
+                for r in self._replicas
+                if r.state == "ready"
+            ]
+        asked = [
+            (
+                replica,
+                incarnation,
+                changes,
+                handle.check.options(concurrency_group=HEALTH_GROUP).remote(),
+            )
+            for replica, incarnation, changes, handle in targets
+        ]
+        if not asked:
+            return
+        ray.wait([ref for *_, ref in asked], num_returns=len(asked), timeout=timeout_s)
+        for replica, incarnation, changes, ref in asked:
+            done, _ = ray.wait([ref], timeout=0)
+            if not done:
+                with self.lock:
+                    if replica.incarnation == incarnation and replica.state == "ready":
+                        replica.unanswered = True
+                        replica.error = f"no answer to the liveness check within {timeout_s:.0f} s"
+                continue
+            try:
+                check = ray.get(ref)
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+                self._failed(replica, incarnation, f"failed the liveness check: {_why(exc)}")
+                continue
+            except ray.exceptions.RayError as exc:  # alive, but its report raised
+                with self.lock:
+                    if replica.incarnation == incarnation and replica.state == "ready":
+                        replica.unanswered = True
+                        replica.error = f"its liveness check failed: {_why(exc)}"
+                continue
             with self.lock:
-                targets = [
-                    (r, r.incarnation, r.handle) for r in self._replicas if r.state == "ready"
-                ]
-            for replica, incarnation, handle in targets:
-                ref = handle.ready.remote()
-                done, _ = ray.wait([ref], timeout=1.0)
-                if not done:
-                    continue  # busy generating: alive
-                try:
-                    ray.get(ref)
-                except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
-                    self._failed(replica, incarnation)
+                if replica.incarnation == incarnation and replica.state == "ready":
+                    replica.answered(check, changes)
+                    replica.error = None
 
     def busy(self) -> dict[int, int]:
         """Batches running per replica index (tests pick a busy replica to kill)."""
@@ -752,12 +959,15 @@ class RaySamplerPool:
                         unavailable.add(key)
                         continue
                     ray.get(handle.load.remote(key, source))
+                    self._holds(replica, incarnation, key, True)
+                    with self.lock:
+                        self.resent += 1
                 retry = [i for i in retry if requests[i].adapter not in unavailable]
                 if not retry:
                     return [r for r in results if r is not None]
                 pending = retry
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
-                self._failed(replica, incarnation)
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+                self._failed(replica, incarnation, f"died running a batch: {_why(exc)}")
             finally:
                 with self.lock:
                     self._busy[replica.index] -= 1
@@ -778,6 +988,48 @@ class RaySamplerPool:
 
     def replica_handle(self, index: int) -> Any:
         return self._replicas[index].handle
+
+    # ================================================================ reports (interfaces.Sampler)
+    def health(self) -> SamplerHealth:
+        return self.rollout_stats().health()
+
+    def rollout_stats(self) -> RolloutStats:
+        """Each replica as the last liveness check and the pool's own calls found it: where it
+        runs, its state, the versions it holds, its last canary, restarts and what is wrong."""
+        with self.lock:
+            replicas = tuple(
+                ReplicaStats(
+                    name=r.name,
+                    url=r.check.where if r.check is not None else "ray actor",
+                    state=r.report_state,
+                    versions=tuple(version_name(k) for k in sorted(r.versions)),
+                    last_canary=r.last_canary,
+                    restarts=r.restarts,
+                    error=r.error,
+                )
+                for r in self._replicas
+            )
+        return RolloutStats(engine="ray", sync="tensor", replicas=replicas)
+
+    def prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """The replicas' prefix caches, summed, as of their last liveness checks (a replaced
+        replica's starts empty); None while no replica is in rotation."""
+        with self.lock:
+            parts = [
+                r.check.prefix_cache
+                for r in self._replicas
+                if r.state == "ready" and r.check is not None
+            ]
+        return PrefixCacheStats.combined(parts)
+
+    def replica_paging(self) -> dict[str, object]:
+        """Each replica's sampler-slot counters as of its last liveness check."""
+        with self.lock:
+            return {
+                "replicas": {
+                    r.name: None if r.check is None else r.check.paging for r in self._replicas
+                }
+            }
 
     def release_cache(self) -> None:
         ray = ray_module()

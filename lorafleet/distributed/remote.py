@@ -142,6 +142,12 @@ class DistTrainEngine:
         self.hparams: dict[int, AdamHParams] = {}
         self.bank = RemoteBank(self, info)
 
+    @property
+    def pager(self) -> None:
+        """None: the ranks keep hard slots (a run's sharded state does not page out yet), so a
+        server over them holds a run per slot and refuses one past them."""
+        return None
+
     # ---------------------------------------------------------------- settings
     def set_token_budget(self, value: int) -> None:
         """Micro-batch budget of padded tokens on every rank (they start with RankSettings')."""

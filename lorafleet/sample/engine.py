@@ -41,6 +41,7 @@ import torch
 from lorafleet.model.adapted import AdaptedModel
 from lorafleet.model.routing import BASE_SLOT
 from lorafleet.sample.admission import FairQueue
+from lorafleet.sample.canary_probe import version_name
 from lorafleet.sample.cuda_graphs import DecodeGraphs
 from lorafleet.sample.kvcache import RowCache
 from lorafleet.sample.prefix_cache import (
@@ -48,7 +49,9 @@ from lorafleet.sample.prefix_cache import (
     DEFAULT_TOKENS_PER_ROW,
     Block,
     PrefixCache,
+    PrefixCacheStats,
 )
+from lorafleet.sample.reports import ReplicaStats, RolloutStats, SamplerFeatures, SamplerHealth
 from lorafleet.sample.sampling import (
     alternatives_generator,
     choose_tokens,
@@ -215,6 +218,8 @@ class SampleEngine:
         self._active: list[_Seq] = []
         self._step = 0
         self.last_traces: list[SequenceTrace] = []
+        # the last step that failed (its requests failed with it), until a step succeeds again
+        self._last_failure: str | None = None
         self._check_logits_path()
 
     # ------------------------------------------------------------------ set-up checks
@@ -257,9 +262,37 @@ class SampleEngine:
                 "the sampler cannot serve it"
             )
 
-    def prefix_cache_stats(self) -> dict[str, object]:
+    # ------------------------------------------------------------------ reports (interfaces.Sampler)
+    # Every token is drawn here, so every request feature is honoured and `on_token` is called
+    # as each one is drawn.
+    features = SamplerFeatures(
+        engine="embedded", stop_strings=True, top_logprobs=True, token_streaming=True
+    )
+
+    def health(self) -> SamplerHealth:
+        """ "ok": the engine is this object, in this process; a step that failed failed its own
+        requests only (the next step starts afresh), so it shows as the replica's `error`."""
+        return self.rollout_stats().health()
+
+    def rollout_stats(self) -> RolloutStats:
+        """One replica, this engine: the versions in its sampler slots now, and the last
+        failed step while no step has succeeded since. Its canary is run and recorded by the
+        publisher (`verification.publish_verified`), not here."""
+        versions = tuple(version_name(k) for k in self.versions.resident())
+        replica = ReplicaStats(
+            name="embedded",
+            url="in-process",
+            state="healthy",
+            versions=versions,
+            last_canary=None,
+            restarts=0,
+            error=self._last_failure,
+        )
+        return RolloutStats(engine="embedded", sync="tensor", replicas=(replica,))
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
         """The prefix cache's counters and size (prefix_cache.py), for the server's stats."""
-        return self.prefix_cache.stats()
+        return self.prefix_cache.report()
 
     def release_cache(self) -> None:
         """Frees the KV buffers between sampling phases (they come back on the next step; the
@@ -297,7 +330,9 @@ class SampleEngine:
                 self._advance(self._step)
             except BaseException as exc:
                 self._abort(exc)
+                self._last_failure = f"step {self._step} failed: {type(exc).__name__}: {exc}"
                 raise
+            self._last_failure = None
             return True
 
     @torch.no_grad()

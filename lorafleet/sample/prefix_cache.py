@@ -34,7 +34,6 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -48,12 +47,64 @@ DEFAULT_TOKENS_PER_ROW = 512  # default budget: this many tokens of KV per sampl
 KVReader = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
 
 
-@runtime_checkable
-class PrefixCacheReport(Protocol):
-    """A sampler with a prefix cache (the embedded engine; Ray replicas and external engines
-    report none), as the server's stats and /metrics read it."""
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """A prefix cache's counters and size (`Sampler.prefix_cache_stats`, read by the server's
+    stats and /metrics); `combined` adds up several replicas' caches."""
 
-    def prefix_cache_stats(self) -> dict[str, object]: ...
+    enabled: bool
+    block_tokens: int
+    max_bytes: int
+    bytes: int
+    blocks: int
+    lookups: int
+    hit_tokens: int
+    missed_tokens: int
+    inserts: int
+    evictions: int
+    invalidated: int
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hit_tokens + self.missed_tokens
+        return self.hit_tokens / total if total else 0.0
+
+    @classmethod
+    def combined(cls, parts: Sequence[PrefixCacheStats]) -> PrefixCacheStats | None:
+        """The sum over `parts` (e.g. one per Ray sampler replica); None when there is none.
+        Enabled when any part is; `block_tokens` is the parts' own when they agree, else 0."""
+        if not parts:
+            return None
+        sizes = {p.block_tokens for p in parts}
+        return cls(
+            enabled=any(p.enabled for p in parts),
+            block_tokens=sizes.pop() if len(sizes) == 1 else 0,
+            max_bytes=sum(p.max_bytes for p in parts),
+            bytes=sum(p.bytes for p in parts),
+            blocks=sum(p.blocks for p in parts),
+            lookups=sum(p.lookups for p in parts),
+            hit_tokens=sum(p.hit_tokens for p in parts),
+            missed_tokens=sum(p.missed_tokens for p in parts),
+            inserts=sum(p.inserts for p in parts),
+            evictions=sum(p.evictions for p in parts),
+            invalidated=sum(p.invalidated for p in parts),
+        )
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "enabled": self.enabled,
+            "block_tokens": self.block_tokens,
+            "max_bytes": self.max_bytes,
+            "bytes": self.bytes,
+            "blocks": self.blocks,
+            "lookups": self.lookups,
+            "hit_tokens": self.hit_tokens,
+            "missed_tokens": self.missed_tokens,
+            "hit_rate": self.hit_rate,
+            "inserts": self.inserts,
+            "evictions": self.evictions,
+            "invalidated": self.invalidated,
+        }
 
 
 @dataclass(eq=False)
@@ -247,24 +298,25 @@ class PrefixCache:
             self._bytes = 0
 
     # ------------------------------------------------------------------ report
-    def stats(self) -> dict[str, object]:
+    def report(self) -> PrefixCacheStats:
         with self._lock:
             c = self.counters
-            total = c.hit_tokens + c.missed_tokens
-            return {
-                "enabled": self.enabled,
-                "block_tokens": self.block_tokens,
-                "max_bytes": self.max_bytes,
-                "bytes": self._bytes,
-                "blocks": len(self._lru),
-                "lookups": c.lookups,
-                "hit_tokens": c.hit_tokens,
-                "missed_tokens": c.missed_tokens,
-                "hit_rate": c.hit_tokens / total if total else 0.0,
-                "inserts": c.inserts,
-                "evictions": c.evictions,
-                "invalidated": c.invalidated,
-            }
+            return PrefixCacheStats(
+                enabled=self.enabled,
+                block_tokens=self.block_tokens,
+                max_bytes=self.max_bytes,
+                bytes=self._bytes,
+                blocks=len(self._lru),
+                lookups=c.lookups,
+                hit_tokens=c.hit_tokens,
+                missed_tokens=c.missed_tokens,
+                inserts=c.inserts,
+                evictions=c.evictions,
+                invalidated=c.invalidated,
+            )
+
+    def stats(self) -> dict[str, object]:
+        return self.report().as_dict()
 
     def blocks(self) -> list[Block]:
         """Every cached block, least recently used first (tests, operator views)."""

@@ -36,6 +36,7 @@ from lorafleet.model.paging import PagingCounters, Recency
 from lorafleet.sample.types import VersionKey
 
 if TYPE_CHECKING:
+    from lorafleet.canary import CanaryReport
     from lorafleet.interfaces import AdapterBank
 
 SourceKind = Literal["training_state", "peft"]
@@ -183,6 +184,11 @@ class VersionStore:
         """The shared paging counters (`PagingCounters.as_dict`), as the stats report them."""
         with self._lock:
             return self.counters.as_dict()
+
+    def verified(self, key: VersionKey) -> CanaryReport[VersionKey] | None:
+        """None: this store copies slots and checks nothing itself; the publisher runs the
+        canary (`verification.publish_verified`)."""
+        return None
 
     # ------------------------------------------------------------------ adding
     def _new_key(self, adapter_id: str, version: int | None) -> VersionKey:

@@ -257,7 +257,7 @@ class Service:
             self.served,
             Text(self.served.base_path),
             config.long_poll_s,
-            rollout_engine=str(self.executor.rollout_stats()["engine"]),
+            self.executor.sampler.features,
         )
         self.rest = Rest(
             self.store, ownership, engine, self.served, signer, self.data_dir, self.quotas

@@ -20,7 +20,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -350,7 +350,6 @@ class InFlight:
                 self._cond.notify_all()
 
 
-@runtime_checkable
 class RolloutEngine(Protocol):
     """A sampler that serves versioned adapters and can be synced three ways.
 

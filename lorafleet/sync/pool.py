@@ -48,6 +48,14 @@ from lorafleet.canary import (
 from lorafleet.fsio import ensure_private_dir
 from lorafleet.interfaces import AdapterBank, Trainer
 from lorafleet.sample.canary_probe import generated_prompt_logprobs, version_name
+from lorafleet.sample.prefix_cache import PrefixCacheStats
+from lorafleet.sample.reports import (
+    CanaryRecord,
+    ReplicaStats,
+    RolloutStats,
+    SamplerFeatures,
+    SamplerHealth,
+)
 from lorafleet.sample.types import SampleError, SampleRequest, SampleResult, VersionKey
 from lorafleet.sample.validate import ModelLimits, RequestError
 from lorafleet.sample.versions import (
@@ -67,7 +75,7 @@ from lorafleet.sync.base import (
     RolloutResult,
 )
 from lorafleet.sync.files import LocalStaging, stage_peft
-from lorafleet.sync.replica import CanaryRecord, PoolEngine, Replica, ReplicaSource
+from lorafleet.sync.replica import PoolEngine, Replica, ReplicaSource
 from lorafleet.sync.rollout_config import RolloutConfig
 from lorafleet.sync.rollout_requests import from_results, prepare, to_rollouts
 from lorafleet.sync.supervisor import Supervisor
@@ -166,6 +174,15 @@ class RolloutPool:
             self.supervisor.start()
 
     # ================================================================ Sampler
+    @property
+    def features(self) -> SamplerFeatures:
+        """What `sync/rollout_requests.prepare` refuses: engines take token ids and return the
+        sampled tokens' log-probs only; a batch runs in the engine's process, so the server
+        hears of its tokens with the result."""
+        return SamplerFeatures(
+            engine=self.kind, stop_strings=False, top_logprobs=False, token_streaming=False
+        )
+
     @property
     def limits(self) -> ModelLimits:
         return self._limits
@@ -541,32 +558,35 @@ class RolloutPool:
         log.warning("%s rollout replica %s is out of rotation: %s", self.kind, replica.name, reason)
 
     # ================================================================ operator view
-    def health(self) -> str:
+    def health(self) -> SamplerHealth:
         """ "ok" (every replica verified), "degraded" (some) or "unavailable" (none)."""
-        with self.lock:
-            healthy = sum(r.state == "healthy" for r in self.replicas)
-        if healthy == len(self.replicas):
-            return "ok"
-        return "degraded" if healthy else "unavailable"
+        return self.rollout_stats().health()
 
-    def rollout_stats(self) -> dict[str, Any]:
+    def rollout_stats(self) -> RolloutStats:
+        """Each replica as the supervisor last found it (its health checks, restarts and
+        re-syncs); the canary is the last one the replica ran, passed or not."""
         with self.lock:
-            return {
-                "engine": self.kind,
-                "sync": self.config.sync.value,
-                "replicas": [
-                    {
-                        "name": r.name,
-                        "url": r.source.url,
-                        "state": r.state,
-                        "versions": [version_name(k) for k in r.loaded],
-                        "last_canary": None if r.last_canary is None else r.last_canary.as_dict(),
-                        "restarts": r.restarts,
-                        "error": r.error,
-                    }
+            return RolloutStats(
+                engine=self.kind,
+                sync=self.config.sync.value,
+                replicas=tuple(
+                    ReplicaStats(
+                        name=r.name,
+                        url=r.source.url,
+                        state=r.state,
+                        versions=tuple(version_name(k) for k in r.loaded),
+                        last_canary=r.last_canary,
+                        restarts=r.restarts,
+                        error=r.error,
+                    )
                     for r in self.replicas
-                ],
-            }
+                ),
+            )
+
+    def prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """None: vLLM and SGLang keep their own prefix caches, which this pool does not read
+        (their counters are on each engine's own /metrics)."""
+        return None
 
     def close(self) -> None:
         with self.lock:
@@ -699,7 +719,7 @@ class PoolVersions:
             raise
 
     def verified(self, key: VersionKey) -> CanaryReport[VersionKey] | None:
-        """What the canary measured when `key` was published (`canary.VerifiesOnPublish`): every
+        """What the canary measured when `key` was published (`interfaces.VersionStore.verified`): every
         healthy replica passed it, so the publisher need not run it again through one."""
         return self.info(key).report
 

@@ -16,18 +16,17 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import httpx
 import torch
 
+from lorafleet.sample.reports import CanaryRecord, ReplicaState
 from lorafleet.sample.types import VersionKey
 from lorafleet.sync.base import AdapterVersion, RolloutEngine
 from lorafleet.sync.vllm_server import VllmServer, start_vllm_server
 
 __all__ = ["PoolEngine", "Replica", "ReplicaSource", "ReplicaState", "SpawnedVllm", "UrlSource"]
-
-ReplicaState = Literal["healthy", "unhealthy", "starting", "restarting"]
 
 
 class PoolEngine(RolloutEngine, Protocol):
@@ -144,22 +143,6 @@ class SpawnedVllm:
         if self.server is not None:
             server, self.server = self.server, None
             server.stop(grace_s=10.0)
-
-
-@dataclass
-class CanaryRecord:
-    version: str
-    ok: bool
-    max_abs_diff: float | None
-    at: float
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "version": self.version,
-            "ok": self.ok,
-            "max_abs_diff": self.max_abs_diff,
-            "at": self.at,
-        }
 
 
 @dataclass

@@ -131,6 +131,12 @@ class TrainEngine:
         # Given "this rank's losses are finite", it returns whether all ranks' are (lorafleet.distributed).
         self.all_ranks_ok: Callable[[bool], bool] | None = None
 
+    @property
+    def pager(self) -> TrainEngine:
+        """Its slots are a cache: `export_slot`/`import_slot` move a run out and back bit for
+        bit (`interfaces.Trainer.pager`)."""
+        return self
+
     # ---------------------------------------------------------------- adapters
     def create_adapter(
         self, spec: AdapterSpec, slot: int | None = None, *, optimizer: str = "adamw"

@@ -18,6 +18,7 @@ from lorafleet.canary import SyncVerificationError
 from lorafleet.distributed.protocol import RankSettings
 from lorafleet.distributed.remote import DistTrainEngine
 from lorafleet.model.banks import AdapterSpec
+from lorafleet.sample.canary_probe import version_name
 from lorafleet.sample.types import SampleRequest, SamplingParams
 from lorafleet.sample.versions import UnknownVersionError
 from lorafleet.train.engine import TrainItem
@@ -170,20 +171,53 @@ def test_a_replica_killed_mid_batch_is_replaced_and_resynced_without_losing_the_
     trainer.free_adapter(slot)
 
 
-def test_an_idle_replica_that_dies_is_noticed_and_replaced(fleet):
+def test_an_idle_replica_that_dies_is_noticed_replaced_and_reported(fleet):
+    """The pool reports its real replicas (`rollout_stats`, `health`: what the server's stats
+    and /healthz read): where each runs, the versions it holds, its canary; a replica whose
+    actor is killed shows as not healthy, and the pool as degraded, until it is back."""
     trainer, pool = fleet
     slot = trainer.create_adapter(AdapterSpec(rank=2, alpha=4, seed=5))
     train_step(trainer, slot, 5)
     key, _ = publish_verified(pool, trainer, slot, "tenant-c/model", version=0)
+    name = version_name(key)
+    stats = pool.rollout_stats()
+    assert (stats.engine, stats.sync, pool.health()) == ("ray", "tensor", "ok")
+    assert [r.name for r in stats.replicas] == ["sampler replica 0", "sampler replica 1"]
+    for replica in stats.replicas:
+        assert replica.state == "healthy" and replica.error is None, replica
+        assert name in replica.versions
+        assert replica.url.startswith("ray actor on ") and ", pid " in replica.url
+        assert replica.last_canary is not None and replica.last_canary.version == name
+        assert replica.last_canary.ok and replica.last_canary.max_abs_diff is not None
+    # each replica's own prefix cache and slot counters, as its last liveness check found them
+    cache = pool.prefix_cache_stats()
+    assert cache is not None and cache.max_bytes > 0
+    assert set(pool.versions.paging()["replicas"]) == {"sampler replica 0", "sampler replica 1"}
+    victim_before = stats.replicas[0]
     restarts = pool.restarts
     ray.kill(pool.replica_handle(0), no_restart=True)
     deadline = time.monotonic() + 120
-    while pool.restarts == restarts:  # the health check finds it without any request
+    # the liveness check finds it without any request, and the report says so at once
+    while (victim := pool.rollout_stats().replicas[0]).state == "healthy":
+        assert time.monotonic() < deadline, "the killed replica still reports healthy"
+        time.sleep(0.05)
+    assert victim.state in ("restarting", "unhealthy") and victim.error, victim
+    assert pool.health() == "degraded"
+    assert pool.rollout_stats().replicas[1].state == "healthy"
+    while pool.restarts == restarts:
         assert time.monotonic() < deadline, "the dead replica was not replaced"
         time.sleep(0.1)
     pool.wait_ready(timeout_s=300)
     assert key in pool.known_on(0)
     assert served(pool, 0, key) == served(pool, 1, key)
+    back = pool.rollout_stats().replicas[0]
+    assert back.state == "healthy" and back.error is None and pool.health() == "ok"
+    assert back.restarts == victim_before.restarts + 1
+    assert back.url != victim_before.url  # a new actor (another process)
+    assert name in back.versions
+    # verified again before it served: the re-sync's canary
+    assert back.last_canary is not None and back.last_canary.ok
+    assert back.last_canary.at > victim_before.last_canary.at
     trainer.free_adapter(slot)
 
 
@@ -227,6 +261,12 @@ def test_the_canary_runs_once_per_version_and_a_wrong_replica_copy_fails_it(flee
     with pytest.raises(SyncVerificationError, match="sampler replica 0") as err:
         store.verify_everywhere(key, slot)
     assert "sampler replica 1" not in str(err.value)
+    assert err.value.replicas == ("sampler replica 0",)
+    # the stats say which replica failed it, and that the other passed
+    zero, one = pool.rollout_stats().replicas
+    assert zero.last_canary is not None and not zero.last_canary.ok
+    assert one.last_canary is not None and one.last_canary.ok
+    assert zero.last_canary.version == one.last_canary.version == "tenant-d/model@0"
     store.drop(key)
     assert store.verified(key) is None and store.references.recorded(key) is None
     trainer.free_adapter(slot)

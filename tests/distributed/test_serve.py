@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Iterator
 
+import httpx
 import pytest
 from tinker import types
 
 from lorafleet.distributed.placement import DistConfig
+from lorafleet.sample.canary_probe import version_name
 from lorafleet.server.main import ServerThread
 from tests.server.conftest import KEY_A, connect, server_config, sl_datum
 
@@ -72,5 +75,51 @@ def test_serve_on_ray_with_two_sampler_replicas(ray_cluster, tmp_path, one_torch
         # every version the server published reached both replicas
         keys = set(pool.versions.resident())
         assert keys and all(keys <= set(pool.known_on(i)) for i in range(2))
+        check_replicas_reported(server, ray_cluster, {version_name(k) for k in keys})
     finally:
         server.stop()
+
+
+def healthz(server: ServerThread) -> tuple[int, dict[str, str]]:
+    response = httpx.get(f"{server.base_url}/api/v1/healthz", timeout=10)
+    return response.status_code, response.json()
+
+
+def check_replicas_reported(server: ServerThread, ray, versions: set[str]) -> None:
+    """The stats and /healthz report the Ray replicas themselves (not an in-process sampler):
+    each one's state, where it runs and the versions it holds; a replica whose actor is killed
+    shows as not healthy and /healthz as degraded until it is back."""
+    pool = server.service.executor.sampler
+    rollout = server.service.stats()["rollout"]  # the operator's view
+    assert rollout["engine"] == "ray" and rollout["sync"] == "tensor"
+    assert [r["name"] for r in rollout["replicas"]] == ["sampler replica 0", "sampler replica 1"]
+    for replica in rollout["replicas"]:
+        assert replica["state"] == "healthy" and replica["url"].startswith("ray actor on ")
+        assert set(replica["versions"]) == versions and replica["restarts"] == 0
+    # a tenant reads each replica's state and how many versions it holds
+    shown = httpx.get(
+        f"{server.base_url}/api/v1/lorafleet/stats", headers={"X-API-Key": KEY_A}, timeout=30
+    ).json()
+    assert [(r["state"], r["versions"]) for r in shown["rollout"]["replicas"]] == [
+        ("healthy", len(versions))
+    ] * 2
+    assert shown["prefix_cache"]["max_bytes"] > 0  # the replicas' caches, summed
+    assert healthz(server) == (200, {"status": "ok", "engine": "ok", "disk": "ok", "rollout": "ok"})
+
+    ray.kill(pool.replica_handle(1), no_restart=True)
+    deadline = time.monotonic() + 120
+    while (answer := healthz(server))[1]["rollout"] == "ok":  # found by the liveness check
+        assert time.monotonic() < deadline, "/healthz never noticed the killed replica"
+        time.sleep(0.1)
+    assert answer == (
+        200,
+        {"status": "degraded", "engine": "ok", "disk": "ok", "rollout": "degraded"},
+    )
+    down = server.service.stats()["rollout"]["replicas"]
+    assert down[0]["state"] == "healthy"
+    assert down[1]["state"] in ("restarting", "unhealthy") and down[1]["error"], down[1]
+    pool.wait_ready(timeout_s=300)
+    assert healthz(server)[1]["rollout"] == "ok"
+    back = server.service.stats()["rollout"]["replicas"][1]
+    assert back["state"] == "healthy" and back["restarts"] == 1 and back["error"] is None
+    assert set(back["versions"]) == versions and back["url"] != rollout["replicas"][1]["url"]

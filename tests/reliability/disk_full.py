@@ -258,7 +258,7 @@ def run_disk_full(
         report["recover_s"] = round(time.monotonic() - began, 2)
         status, body = server.healthz()
         report["healthz_after"] = {"status_code": status, **body}
-        if status != 200 or body != {"status": "ok", "engine": "ok", "disk": "ok"}:
+        if status != 200 or body != {"status": "ok", "engine": "ok", "disk": "ok", "rollout": "ok"}:
             problems.append(f"healthz after recovery: {status} {body}")
     finally:
         for client in (sc_a, sc_b):

@@ -98,8 +98,14 @@ def routes_of(server: ServerThread) -> list[tuple[str, str]]:
 
 
 def _states_only(body: object) -> bool:
-    """/healthz may say how the engine and the disk are, and nothing else (lorafleet/server/ops/health.py)."""
-    allowed = {"status": {"ok", "degraded"}, "engine": {"ok"}, "disk": {"ok", "full"}}
+    """/healthz may say how the engine, the disk and the sampler are, and nothing else
+    (lorafleet/server/ops/health.py)."""
+    allowed = {
+        "status": {"ok", "degraded"},
+        "engine": {"ok"},
+        "disk": {"ok", "full"},
+        "rollout": {"ok", "degraded"},
+    }
     return (
         isinstance(body, dict)
         and all(body.get(k) in v for k, v in allowed.items())

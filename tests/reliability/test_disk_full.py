@@ -23,6 +23,7 @@ def test_a_full_disk_is_a_clear_error_and_the_server_recovers_when_space_is_free
         "status": "degraded",
         "engine": "ok",
         "disk": "full",
+        "rollout": "ok",
     }
     assert report["disk_full_recovered"] == 1
 

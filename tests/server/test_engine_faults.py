@@ -303,10 +303,11 @@ def test_an_unstored_result_that_leaves_memory_answers_why(tmp_path):
 # ============================================================================ through the SDK
 
 
-def test_healthz_is_open_and_says_only_how_the_engine_and_disk_are(server):
+def test_healthz_is_open_and_says_only_how_the_engine_disk_and_sampler_are(server):
     response = httpx.get(f"{server.base_url}/api/v1/healthz", timeout=10)
     assert response.status_code == 200
-    assert response.json() == {"status": "ok", "engine": "ok", "disk": "ok"}
+    # `rollout`: the sampler's own health (`Sampler.health`), here the embedded engine's
+    assert response.json() == {"status": "ok", "engine": "ok", "disk": "ok", "rollout": "ok"}
 
 
 def test_a_full_disk_fails_saves_with_a_clear_error_and_recovers_without_a_restart(
@@ -326,7 +327,12 @@ def test_a_full_disk_fails_saves_with_a_clear_error_and_recovers_without_a_resta
         assert out.metrics["loss:sum"] > 0
         healthz = httpx.get(f"{server.base_url}/api/v1/healthz", timeout=10)
         assert healthz.status_code == 200
-        assert healthz.json() == {"status": "degraded", "engine": "ok", "disk": "full"}
+        assert healthz.json() == {
+            "status": "degraded",
+            "engine": "ok",
+            "disk": "full",
+            "rollout": "ok",
+        }
         switch.unlink()  # space is back
         path = tc_a.save_state("after").result(timeout=60).path
         assert path.endswith("/weights/after")

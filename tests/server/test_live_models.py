@@ -90,7 +90,9 @@ def test_a_held_run_never_leaves_and_host_memory_spills_to_disk(tmp_path):
 
 
 def test_a_trainer_that_cannot_page_keeps_hard_slots(tmp_path):
-    class HardSlots:  # a trainer without export_slot/import_slot (the sharded ones)
+    class HardSlots:  # a trainer that declares it cannot page (as the sharded ones do)
+        pager = None
+
         def __init__(self) -> None:
             self.bank = make_engine(num_slots=2).bank
 

@@ -6,8 +6,8 @@ isolation (404 model_not_found, 401), fields refused by name, aliases, n > 1, st
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
-import pickle
 import shutil
 from pathlib import Path
 from typing import Any
@@ -333,15 +333,11 @@ def test_sse_format_and_metering(server: ServerThread, adapter: dict[str, Any]) 
     assert sampled() - before == 2 * whole.usage.completion_tokens
 
 
-def test_stream_hook_goes_quiet_across_processes() -> None:
-    """A hook pickled to a sampler in another process (Ray replicas) is a no-op there instead of
-    failing the request; the stream then gets the tokens with the result."""
+def test_stream_hook_goes_quiet_once_closed() -> None:
     loop = asyncio.new_event_loop()
     try:
         queue: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
         hook = StreamHook(loop, queue)
-        copy = pickle.loads(pickle.dumps(hook))
-        copy(0, 5)
         hook(1, 7)
         loop.run_until_complete(asyncio.sleep(0))
         assert queue.qsize() == 1 and queue.get_nowait() == (1, 7)
@@ -351,6 +347,53 @@ def test_stream_hook_goes_quiet_across_processes() -> None:
         assert queue.empty()
     finally:
         loop.close()
+
+
+class _RecordingIntake:
+    """Takes requests as the scheduler's intake would, keeping what it was given."""
+
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+
+    def submit(self, tenant: Any, kind: str, args: Any, **_: Any) -> dict[str, str]:
+        self.sent.append(args)
+        return {"request_id": "recorded"}
+
+
+def with_features(server: ServerThread, intake: Any = None, **features: Any) -> Completions:
+    """The server's OpenAI completions over a sampler that declares `features` instead."""
+    mine = server.service.completions
+    return Completions(
+        intake or mine.intake,
+        mine.futures,
+        mine.models,
+        mine.served,
+        mine.text,
+        1.0,
+        dataclasses.replace(mine.features, **features),
+    )
+
+
+@pytest.mark.parametrize("streams", [True, False])
+def test_only_a_sampler_that_streams_tokens_is_handed_the_hook(
+    server: ServerThread, adapter: dict[str, Any], streams: bool
+) -> None:
+    """A sampler whose batches run in another process (Ray or vLLM replicas declare
+    `token_streaming` false) could not call the stream's hook there: it is not given one, and
+    the stream gets the tokens with the result."""
+    intake = _RecordingIntake()
+    completions = with_features(server, intake, token_streaming=streams)
+    tenant = server.service.authenticate(KEY_A)
+    body = {"model": adapter["path"], "prompt": "hi", "max_tokens": 2, "stream": True}
+    ask, target = completions.parse(tenant, body, False)
+    loop = asyncio.new_event_loop()
+    try:
+        hook = StreamHook(loop, asyncio.Queue())
+        assert completions.submit(tenant, body, ask, target, hook) == "recorded"
+    finally:
+        loop.close()
+    (args,) = intake.sent
+    assert args.on_token is (hook if streams else None)
 
 
 def test_stream_error_after_start_is_an_error_event(
@@ -377,25 +420,32 @@ def test_stream_error_after_start_is_an_error_event(
         (True, {"logprobs": True, "top_logprobs": 2}, "top_logprobs"),
     ],
 )
-def test_rollout_engine_refusals_name_the_openai_field(
+def test_what_the_sampler_declares_it_cannot_honour_is_refused_naming_the_openai_field(
     server: ServerThread, adapter: dict[str, Any], chat: bool, fields: dict[str, Any], param: str
 ) -> None:
-    """On a vLLM/SGLang rollout engine, stop strings and top-k log-probs cannot be honoured:
-    refused at the door as 400s naming OpenAI's field (not as a failed sample naming the
-    Tinker fields `topk_sample_logprobs` / stop strings with the EOS text added), while what
-    the engine does serve (logprobs without alternatives) passes."""
+    """A sampler that declares no stop strings and no top log-probs (as vLLM/SGLang replicas
+    do, `SamplerFeatures`): refused at the door as 400s naming OpenAI's field (not as a failed
+    sample naming the Tinker fields `topk_sample_logprobs` / stop strings with the EOS text
+    added), while what it does serve (logprobs without alternatives) passes. Whatever the
+    engine is called: the declaration decides, and the name is only quoted."""
     mine = server.service.completions
-    on_vllm = Completions(
-        mine.intake, mine.futures, mine.models, mine.served, mine.text, 1.0, rollout_engine="vllm"
-    )
+    limited = with_features(server, engine="fake", stop_strings=False, top_logprobs=False)
     tenant = server.service.authenticate(KEY_A)
     body: dict[str, Any] = {"model": adapter["path"], "max_tokens": 4, **fields}
     body |= {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
     with pytest.raises(OpenAIError) as caught:
-        on_vllm.parse(tenant, body, chat)
+        limited.parse(tenant, body, chat)
     assert caught.value.param == param and caught.value.status == 400
-    assert "vllm rollout engine" in caught.value.message
+    assert "fake rollout engine" in caught.value.message
     plain = {k: v for k, v in body.items() if k not in ("stop", "top_logprobs")}
     plain["logprobs"] = True if chat else 0
-    on_vllm.parse(tenant, plain, chat)
-    mine.parse(tenant, body, chat)  # the embedded sampler serves them all
+    limited.parse(tenant, plain, chat)
+    assert mine.features.stop_strings and mine.features.top_logprobs  # the embedded sampler
+    mine.parse(tenant, body, chat)  # serves them all
+    # one feature at a time: a sampler with top log-probs but no stop strings
+    no_stops = with_features(server, engine="fake", stop_strings=False)
+    if param == "stop":
+        with pytest.raises(OpenAIError, match="stop is not supported with the fake"):
+            no_stops.parse(tenant, body, chat)
+    else:
+        no_stops.parse(tenant, body, chat)

@@ -18,6 +18,7 @@ import torch
 from lorafleet.canary import SyncVerificationError
 from lorafleet.engines import colocate
 from lorafleet.model.targets import resolve_tinker_targets
+from lorafleet.sample.reports import SamplerFeatures
 from lorafleet.sample.types import SampleRequest, SamplingParams
 from lorafleet.sample.versions import VersionError
 from lorafleet.sync.base import (
@@ -164,7 +165,7 @@ def test_versions_reach_every_replica_verified_and_requests_spread(trainer, tmp_
     try:
         key, slot = publish(pool, trainer, "tinker://run/sampler_weights/one", 1)
         assert pool.versions.verified(key).differs_check == "passed"
-        stats = pool.rollout_stats()
+        stats = pool.rollout_stats().as_dict()
         assert stats["engine"] == "vllm" and stats["sync"] == "files"
         for replica in stats["replicas"]:
             assert replica["state"] == "healthy" and replica["versions"] == [f"{key[0]}@0"]
@@ -210,8 +211,8 @@ def test_a_version_no_replica_verifies_is_never_served(trainer, tmp_path, monkey
         assert bad.error.code == "unknown_version"
         (ok,) = pool.generate([request(good)])
         assert ok.error is None and ok.adapter == good
-        assert pool.rollout_stats()["replicas"][0]["state"] == "healthy"
-        last = pool.rollout_stats()["replicas"][0]["last_canary"]
+        assert pool.rollout_stats().as_dict()["replicas"][0]["state"] == "healthy"
+        last = pool.rollout_stats().as_dict()["replicas"][0]["last_canary"]
         assert (last["version"], last["ok"]) == ("broken@0", False)  # renamed failed to load
     finally:
         pool.close()
@@ -223,7 +224,7 @@ def test_a_replica_that_fails_its_canary_leaves_rotation_and_comes_back(trainer,
     try:
         sources[1].skip_loads = True
         key, _ = publish(pool, trainer, "one", 1)  # "a" verified it: published
-        b = pool.rollout_stats()["replicas"][1]
+        b = pool.rollout_stats().as_dict()["replicas"][1]
         assert b["state"] == "unhealthy" and "failed to sync one@0" in b["error"]
         assert b["last_canary"]["ok"] is False
         assert pool.health() == "degraded"
@@ -234,7 +235,7 @@ def test_a_replica_that_fails_its_canary_leaves_rotation_and_comes_back(trainer,
         pool.supervisor.check()  # restarts it and re-syncs the versions in use
         for thread in pool.supervisor._recovering.values():
             thread.join(60)
-        b = pool.rollout_stats()["replicas"][1]
+        b = pool.rollout_stats().as_dict()["replicas"][1]
         assert b["state"] == "healthy" and b["restarts"] == 1 and b["versions"] == ["one@0"]
         assert sources[1].engine.held() == [f"{pool.catalogue[key].engine_version.name}"]
         assert pool.health() == "ok"
@@ -256,7 +257,7 @@ def test_a_request_on_a_replica_that_dies_runs_again_on_another(trainer, tmp_pat
         result = running.result(timeout=60)
         assert result.error is None and result.adapter == key
         assert sources[1].engine.requests == before[1] + 1  # ran again there
-        a = pool.rollout_stats()["replicas"][0]
+        a = pool.rollout_stats().as_dict()["replicas"][0]
         assert a["state"] == "unhealthy" and "connection refused" in a["error"]
     finally:
         pool.close()
@@ -292,7 +293,7 @@ def test_past_max_loras_the_least_recently_used_idle_version_pages_out(trainer, 
         assert source.engine.held() == [names[first]]
         paging = pool.versions.paging()
         assert paging["page_ins"] == 3 and paging["page_outs"] == 2
-        assert pool.rollout_stats()["replicas"][0]["last_canary"]["version"] == "first@0"
+        assert pool.rollout_stats().as_dict()["replicas"][0]["last_canary"]["version"] == "first@0"
     finally:
         pool.close()
 
@@ -300,6 +301,12 @@ def test_past_max_loras_the_least_recently_used_idle_version_pages_out(trainer, 
 def test_what_the_engine_cannot_honour_is_refused_by_name(trainer, tmp_path):
     pool = make_pool(trainer, [FakeSource("a")], tmp_path)
     try:
+        # declared, so the server refuses these up front (the OpenAI routes), and the pool's
+        # own refusals below are what a request that got past it meets
+        assert pool.features == SamplerFeatures(
+            engine="vllm", stop_strings=False, top_logprobs=False, token_streaming=False
+        )
+        assert pool.prefix_cache_stats() is None
         for field, value in [("topk_prompt_logprobs", 2), ("prompt_alt_tokens_k", 1)]:
             (result,) = pool.generate([request(None, **{field: value})])
             assert result.error.code == "invalid_request"

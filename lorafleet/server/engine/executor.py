@@ -22,10 +22,9 @@ from pathlib import Path
 from typing import Any, assert_never
 
 from lorafleet.engines import EngineConfig, build_engines
-from lorafleet.interfaces import EngineSet, PagingReport, RolloutReport
+from lorafleet.interfaces import EngineSet
 from lorafleet.model.loader import load_base
-from lorafleet.sample.canary_probe import version_name
-from lorafleet.sample.prefix_cache import PrefixCacheReport
+from lorafleet.sample.reports import SamplerHealth
 from lorafleet.server.engine.adapter_setup import AdapterSetup
 from lorafleet.server.engine.checkpoint_files import CheckpointFiles
 from lorafleet.server.engine.live_models import PAGED_DIR, LiveModels
@@ -214,45 +213,22 @@ class Executor:
             # deleted, overwritten or past retention while in use: dropped after their samples
             "sampler_versions_retiring": len(self.versions.retiring()),
             # trainer slots and sampler slots are caches under one policy (model/paging.py)
-            "paging": {
-                "training": self.live.paging(),
-                "sampler": self.versions.paging()
-                if isinstance(self.versions, PagingReport)
-                else None,
-            },
+            "paging": {"training": self.live.paging(), "sampler": self.versions.paging()},
             "torch_threads": self.torch_threads,
             "prefix_cache": self.prefix_cache_stats(),
         }
 
+    # What the sampler reports about itself (interfaces.Sampler), as JSON for the stats.
     def rollout_stats(self) -> dict[str, object]:
-        """Which engine samples and how its replicas are (the console reads this shape); the
-        embedded sampler is one replica, "embedded", always healthy while the worker runs."""
-        if isinstance(self.sampler, RolloutReport):
-            return self.sampler.rollout_stats()
-        return {
-            "engine": "embedded",
-            "sync": "tensor",
-            "replicas": [
-                {
-                    "name": "embedded",
-                    "url": "in-process",
-                    "state": "healthy",
-                    "versions": [version_name(k) for k in self.versions.resident()],
-                    "last_canary": None,
-                    "restarts": 0,
-                    "error": None,
-                }
-            ],
-        }
+        """Which engine samples and how its replicas are (the console reads this shape)."""
+        return self.sampler.rollout_stats().as_dict()
 
-    def rollout_health(self) -> str | None:
-        """ "ok", "degraded" or "unavailable" (see `RolloutReport.health`); None for the
-        embedded sampler, which the engine's own liveness covers."""
-        return self.sampler.health() if isinstance(self.sampler, RolloutReport) else None
+    def rollout_health(self) -> SamplerHealth:
+        """ "ok", "degraded" or "unavailable": /healthz's `rollout`."""
+        return self.sampler.health()
 
     def prefix_cache_stats(self) -> dict[str, object] | None:
-        """The sampler's prefix cache (lorafleet/sample/prefix_cache.py); None when the sampler
-        has none (Ray replicas)."""
-        if isinstance(self.sampler, PrefixCacheReport):
-            return self.sampler.prefix_cache_stats()
-        return None
+        """The sampler's prefix cache (lorafleet/sample/prefix_cache.py); None where it keeps
+        none it can read (vLLM/SGLang replicas)."""
+        stats = self.sampler.prefix_cache_stats()
+        return None if stats is None else stats.as_dict()

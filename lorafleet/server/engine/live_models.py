@@ -95,9 +95,10 @@ class LiveModels:
         has_work: Callable[[str], bool] | None = None,
         max_resident: Callable[[str], int | None] | None = None,
     ):
-        """`paged_dir`: where cold runs go (wiped now); None, or a trainer that cannot page,
-        keeps hard slots. `has_work(model_id)`: whether the scheduler holds queued or running
-        work for it (such runs are evicted last); None: no run ever has work waiting.
+        """`paged_dir`: where cold runs go (wiped now); None, or a trainer without a pager
+        (`Trainer.pager` None: it cannot page), keeps hard slots. `has_work(model_id)`:
+        whether the scheduler holds queued or running work for it (such runs are evicted
+        last); None: no run ever has work waiting.
         `max_resident(tenant)`: the tenant's `resident_runs` quota (None: unlimited): a run of
         a tenant at its quota takes the slot of that tenant's own least recently used run."""
         if warm_bytes < 0:
@@ -108,13 +109,13 @@ class LiveModels:
         self.warm_bytes = warm_bytes
         self._has_work = has_work
         self._max_resident = max_resident
-        self._pager: SlotPager | None = None
+        # the trainer declares whether its slots are a cache (`Trainer.pager`)
+        self._pager: SlotPager | None = trainer.pager if paged_dir is not None else None
         self._paged_dir: Path | None = None
-        if paged_dir is not None and isinstance(trainer, SlotPager):
+        if self._pager is not None and paged_dir is not None:
             if paged_dir.exists():
                 shutil.rmtree(paged_dir)
             self._paged_dir = ensure_private_dir(paged_dir)
-            self._pager = trainer
         self._runs: dict[str, _Run] = {}
         self._recency: Recency[str] = Recency()
         self._pinned: set[str] = set()

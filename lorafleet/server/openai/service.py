@@ -6,9 +6,9 @@ SampleResponse, rendered as OpenAI objects.
 Streaming: the sampler calls the request's progress hook (`sample.types.TokenHook`) on its own
 thread as each token is drawn; the hook hands the token to the request's event loop, and the
 route sends the text as it grows. A sampler that cannot call the hook (its batch runs in
-another process: Ray replicas, a vLLM pool) sends nothing until the end, and the stream then
-carries the whole completion at once. What is buffered is at most the request's own tokens, which
-its cost check bounded before it ran. A client that disconnects stops its stream: the hook goes
+another process: Ray replicas, a vLLM pool; `SamplerFeatures.token_streaming` false) is not
+given one, and the stream then carries the whole completion at once. What is buffered is at
+most the request's own tokens, which its cost check bounded before it ran. A client that disconnects stops its stream: the hook goes
 quiet and nothing waits for the result, while the sample itself runs to its end (it is metered
 and its result kept like any other), so no other request is touched."""
 
@@ -21,6 +21,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from lorafleet.sample.reports import SamplerFeatures
 from lorafleet.sample.types import SamplingParams
 from lorafleet.server.errors import ApiError, ServerFault, UserError
 from lorafleet.server.http import parse
@@ -58,15 +59,6 @@ class StreamHook:
         """The client is gone or the result is in: later tokens are not queued."""
         self._open = False
 
-    def __reduce__(self) -> tuple[Any, tuple[()]]:
-        """Sent to another process (a Ray sampler replica), the hook becomes a no-op there:
-        the loop it feeds lives here. The stream then gets the tokens with the result."""
-        return (_quiet, ())
-
-
-def _quiet() -> Any:
-    return lambda sample, token: None
-
 
 class Completions:
     def __init__(
@@ -77,7 +69,7 @@ class Completions:
         served: ServedBase,
         text: Text,
         poll_s: float,
-        rollout_engine: str = "embedded",
+        features: SamplerFeatures,
     ):
         self.intake = intake
         self.futures = futures
@@ -85,7 +77,7 @@ class Completions:
         self.served = served
         self.text = text
         self.poll_s = poll_s
-        self.rollout_engine = rollout_engine  # which sampler runs the requests (--rollout-engine)
+        self.features = features  # what the sampler honours (`Sampler.features`)
 
     def parse(self, tenant: Tenant, raw: Any, chat: bool) -> tuple[asks.Ask, Target]:
         limits = self.served.limits
@@ -94,21 +86,19 @@ class Completions:
         return ask, self.models.resolve(tenant, ask.model)
 
     def _check_engine(self, ask: asks.Ask) -> None:
-        """A rollout engine (vLLM, SGLang) ends samples at token ids, not strings, and returns
-        the sampled tokens' log-probs without alternatives (`sync/rollout_requests.py` refuses
-        both). Refused here, before anything is queued, with OpenAI's field named, rather than
-        as a failed sample naming the Tinker fields the request was turned into."""
-        engine = self.rollout_engine
-        if engine == "embedded":
-            return
-        if ask.stop:
+        """What the sampler declares it cannot honour (`SamplerFeatures`: vLLM and SGLang end
+        samples at token ids, not strings, and return the sampled tokens' log-probs without
+        alternatives) is refused here, before anything is queued, with OpenAI's field named,
+        rather than as a failed sample naming the Tinker fields the request was turned into."""
+        engine = self.features.engine
+        if ask.stop and not self.features.stop_strings:
             raise OpenAIError(
                 f"stop is not supported with the {engine} rollout engine this server samples "
                 "with (it ends samples at token ids, not strings); send the request without it",
                 "stop",
                 code="unsupported",
             )
-        if ask.logprobs:
+        if ask.logprobs and not self.features.top_logprobs:
             field = "top_logprobs" if ask.chat else "logprobs"
             raise OpenAIError(
                 f"{field} {ask.logprobs} is not supported with the {engine} rollout engine this "
@@ -142,7 +132,8 @@ class Completions:
             last_n=None,
             adapter=target.adapter,
             checkpoint_path=target.checkpoint_path,
-            on_token=hook,
+            # only a sampler that calls it as tokens are drawn gets it (`SamplerFeatures`)
+            on_token=hook if self.features.token_streaming else None,
         )
         try:
             parse.check_sample_cost(args, self.served.limits, self.served.context_length)

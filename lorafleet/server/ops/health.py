@@ -14,9 +14,9 @@ UNAVAILABLE = 503
 
 def report(engine: str, disk: str, rollout: str | None = None) -> tuple[int, dict[str, str]]:
     """`engine`: "ok" | "stalled" | "dead" (Scheduler.liveness); `disk`: "ok" | "full";
-    `rollout`: "ok" | "degraded" | "unavailable", the sampling replicas (RolloutReport.health:
-    degraded while some are out of rotation, unavailable when none is verified, which samples
-    cannot get past until one comes back); None for the embedded sampler (not reported)."""
+    `rollout`: "ok" | "degraded" | "unavailable", the sampler's replicas (`Sampler.health`:
+    degraded while some are out of rotation, unavailable when none serves, which samples
+    cannot get past until one comes back); None: not reported (unit tests of the rest)."""
     states = {"engine": engine, "disk": disk}
     if rollout is not None:
         states["rollout"] = rollout
