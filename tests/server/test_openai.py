@@ -22,6 +22,7 @@ from lorafleet.server.main import ServerThread
 from lorafleet.server.openai.errors import OpenAIError
 from lorafleet.server.openai.service import Completions, StreamHook
 from lorafleet.server.openai.text import Text
+from lorafleet.server.ops.intake import Promise
 from lorafleet.server.state.keys import hash_key, tenant_id
 from tests.server.conftest import KEY_A, KEY_B, connect, trained
 
@@ -355,9 +356,9 @@ class _RecordingIntake:
     def __init__(self) -> None:
         self.sent: list[Any] = []
 
-    def submit(self, tenant: Any, kind: str, args: Any, **_: Any) -> dict[str, str]:
-        self.sent.append(args)
-        return {"request_id": "recorded"}
+    def submit(self, tenant: Any, op: Any, place: Any, fingerprint: str) -> Promise:
+        self.sent.append(op)
+        return Promise("recorded")
 
 
 def with_features(server: ServerThread, intake: Any = None, **features: Any) -> Completions:
