@@ -26,7 +26,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 from dataclasses import dataclass
@@ -49,7 +49,7 @@ from lorafleet.canary import (
     layers_are_zero,
     tolerance_for,
 )
-from lorafleet.distributed.ray_cluster import ray_module
+from lorafleet.distributed.ray_cluster import placement_options, ray_module
 from lorafleet.distributed.ray_trainer import RayRanks
 from lorafleet.distributed.remote import DistTrainEngine
 from lorafleet.distributed.wire import Payload, WirePayload, from_wire, to_wire
@@ -119,11 +119,14 @@ class SamplerReplica:
         self._base_logprobs: dict[tuple[int, ...], torch.Tensor] = {}
 
     def ready(self) -> dict[str, Any]:
+        from lorafleet.distributed.ray_cluster import current_node
+
         return {
             "limits": self.engine.limits,
             "dtype": self.engine.dtype,
             "base_model_id": self.base_model_id,
             "pid": os.getpid(),
+            **current_node(),
         }
 
     def load(self, key: VersionKey, payload: WirePayload) -> bool:
@@ -203,6 +206,13 @@ class _Replica:
     handle: Any
     state: str = "ready"  # "ready" | "restarting" | "dead"
     incarnation: int = 0
+    node: dict[str, Any] | None = None  # where it runs: node_id, node_ip, pid (from `ready`)
+    last_canary: dict[str, Any] | None = None
+    error: str | None = None  # why it was last replaced
+
+
+# the pool's replica states as the server's rollout stats name them (sync/pool.py's words)
+_STATES = {"ready": "healthy", "restarting": "restarting", "dead": "dead"}
 
 
 def read_payload(path: Path) -> Payload:
@@ -413,6 +423,7 @@ class RayVersionStore:
             with self._lock:
                 if key in self._entries:
                     self._reports[key] = max(checked, key=lambda r: r.max_abs_diff)
+        self._pool.note_canaries(reports)
         return checked
 
     def _reference(self, key: VersionKey, trainer_slot: int) -> Reference:
@@ -451,6 +462,7 @@ class RayVersionStore:
             name=version_name(key),
             tolerance=self.canary_tolerance(),
         )
+        self._pool.note_canaries(reports)
         return reports.get(label)
 
     def verified(self, version: VersionKey) -> CanaryReport[VersionKey] | None:
@@ -464,6 +476,10 @@ class RayVersionStore:
 
     def canary_tolerance(self) -> float:
         return tolerance_for(self._pool.dtype, same_implementation=True)
+
+
+def _node_of(info: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: info.get(k) for k in ("node_id", "node_ip", "pid")}
 
 
 def _replica_logprobs(handle: Any, key: VersionKey, tokens: list[int]) -> ReplicaLogprobs:
@@ -485,11 +501,15 @@ class RaySamplerPool:
         verify: bool = True,
         restart_timeout_s: float = 600.0,
         health_interval_s: float = 5.0,
+        node_resource: str | None = None,
     ):
+        """`node_resource`: prefer the nodes offering this Ray resource, at start and when a
+        replica is replaced (ray_cluster.py)."""
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
             raise ValueError(f"sampler replicas must be a positive integer, got {replicas!r}")
         ray = ray_module()
         self.settings = settings
+        self.node_resource = node_resource
         self.restart_timeout_s = restart_timeout_s
         self.lock = threading.RLock()  # replica states, and the version catalogue with them
         self._ready = threading.Condition(self.lock)
@@ -502,15 +522,16 @@ class RaySamplerPool:
         options = dict(actor_options or {})
         if settings.device == "cuda":
             options.setdefault("num_gpus", 1)
-        self._actor_class = ray.remote(SamplerReplica).options(max_restarts=0, **options)
-        self._replicas = [
-            _Replica(i, self._actor_class.remote(settings, i)) for i in range(replicas)
-        ]
+        self._actor_class = ray.remote(SamplerReplica)
+        self._actor_options = {"max_restarts": 0, **options}
+        self._replicas = [_Replica(i, self._new_actor(i)) for i in range(replicas)]
         try:
             ready = ray.get([r.handle.ready.remote() for r in self._replicas])
         except BaseException:
             self.close()
             raise
+        for replica, info in zip(self._replicas, ready, strict=True):
+            replica.node = _node_of(info)
         self.limits: ModelLimits = ready[0]["limits"]
         self.dtype: torch.dtype = ready[0]["dtype"]
         self.base_model_id: str = ready[0]["base_model_id"]
@@ -521,6 +542,58 @@ class RaySamplerPool:
                 name="lorafleet-replica-health",
                 daemon=True,
             ).start()
+
+    def _new_actor(self, index: int) -> Any:
+        """A replica actor, placed on a live node offering `node_resource` when one does."""
+        options = {**self._actor_options, **placement_options(self.node_resource, index)}
+        return self._actor_class.options(**options).remote(self.settings, index)
+
+    # ================================================================ the server's view
+    def note_canaries(self, reports: Mapping[str, CanaryReport[VersionKey]]) -> None:
+        """Keeps each replica's last passed canary (keyed as `canary_probes` names them)."""
+        with self.lock:
+            for replica in self._replicas:
+                report = reports.get(f"sampler replica {replica.index}")
+                if report is not None:
+                    replica.last_canary = {
+                        "version": version_name(report.version),
+                        "max_abs_diff": report.max_abs_diff,
+                        "tolerance": report.tolerance,
+                        "differs_check": report.differs_check,
+                        "time": time.time(),
+                    }
+
+    def health(self) -> str:
+        """ "ok" (every replica serves), "degraded" (some are being replaced) or "unavailable"."""
+        with self.lock:
+            ready = sum(r.state == "ready" for r in self._replicas)
+        if ready == len(self._replicas):
+            return "ok"
+        return "degraded" if ready else "unavailable"
+
+    def rollout_stats(self) -> dict[str, Any]:
+        """The replicas as the server's stats and console show rollout replicas (sync/pool.py's
+        shape), with the Ray node each one runs on."""
+        versions = [version_name(e.key) for e in self.versions.entries()]
+        with self.lock:
+            return {
+                "engine": "ray",
+                "sync": "tensor",
+                "restarts": self.restarts,
+                "replicas": [
+                    {
+                        "name": f"sampler replica {r.index}",
+                        "url": "ray://" + (r.node or {}).get("node_ip", "?"),
+                        "node": r.node,
+                        "state": _STATES.get(r.state, r.state),
+                        "versions": versions if r.state == "ready" else [],
+                        "last_canary": r.last_canary,
+                        "restarts": r.incarnation,
+                        "error": r.error,
+                    }
+                    for r in self._replicas
+                ],
+            }
 
     # ================================================================ versions on every replica
     def load_everywhere(self, entry: _Entry, source: Any) -> None:
@@ -582,7 +655,9 @@ class RaySamplerPool:
             if self._closed or replica.state != "ready" or replica.incarnation != incarnation:
                 return  # already being replaced
             replica.state = "restarting"
-            log.warning("sampler replica %d failed; replacing it", replica.index)
+            node = (replica.node or {}).get("node_id", "?")
+            replica.error = f"died on node {node}; replaced at {time.strftime('%H:%M:%S')}"
+            log.warning("sampler replica %d (node %s) failed; replacing it", replica.index, node)
         threading.Thread(
             target=self._restart,
             args=(replica,),
@@ -596,10 +671,10 @@ class RaySamplerPool:
             ray.kill(replica.handle, no_restart=True)
         deadline = time.monotonic() + self.restart_timeout_s
         while time.monotonic() < deadline and not self._closed:
-            handle = self._actor_class.remote(self.settings, replica.index)
+            handle = self._new_actor(replica.index)  # on a live node: the old one may be gone
             try:
-                ray.get(handle.ready.remote(), timeout=max(1.0, deadline - time.monotonic()))
-                self._resync(replica, handle)
+                info = ray.get(handle.ready.remote(), timeout=max(1.0, deadline - time.monotonic()))
+                self._resync(replica, handle, _node_of(info))
                 return
             except (ray.exceptions.RayError, SyncVerificationError, OSError, ValueError) as exc:
                 log.warning("sampler replica %d: restart failed (%s); retrying", replica.index, exc)
@@ -611,7 +686,7 @@ class RaySamplerPool:
             self._ready.notify_all()
         log.error("sampler replica %d could not be restarted", replica.index)
 
-    def _resync(self, replica: _Replica, handle: Any) -> None:
+    def _resync(self, replica: _Replica, handle: Any, node: dict[str, Any] | None = None) -> None:
         """Loads every version the store serves, then puts the replica back in rotation;
         versions published meanwhile are caught by the loop (the last check and the switch are
         atomic)."""
@@ -628,6 +703,7 @@ class RaySamplerPool:
                     replica.handle = handle
                     replica.incarnation += 1
                     replica.state = "ready"
+                    replica.node = node
                     self.restarts += 1
                     self._ready.notify_all()
                     break
