@@ -50,6 +50,7 @@ TF32_TOLERANCE = 5e-3
 # of the training kernel), slot 0 rows are the base (not routed), slot 4 is absent.
 _SLOTS = [3, 1, 0, 2, 3, 1, 1, 0, 2] + [2] * 70 + [1, 3, 0]
 _NUM_SLOTS = 5
+_GAP = 8  # floats between a slot's A and B in its row (banks.py aligns each block)
 
 
 @dataclass(frozen=True)
@@ -95,19 +96,25 @@ def _batch(
     device: torch.device,
     seed: int,
 ) -> dict[str, torch.Tensor]:
-    """One layer's mixed batch, made on the CPU from a seed (the same values on any device)."""
+    """One layer's mixed batch, made on the CPU from a seed (the same values on any device).
+    A and B live in one flat [slots, P] row per slot as banks.py lays them out: A row-major
+    at the row's start, B rank-major after it (so B [slots, out, rank] is a transposed view)
+    and slot strides of the whole row."""
     gen = torch.Generator().manual_seed(seed)
     tokens = len(_SLOTS)
     A = torch.randn(_NUM_SLOTS, rank, in_features, generator=gen) / math.sqrt(in_features)
-    B = torch.randn(_NUM_SLOTS, out_features, rank, generator=gen) / math.sqrt(rank)
+    B = torch.randn(_NUM_SLOTS, rank, out_features, generator=gen) / math.sqrt(rank)
     ranks = [0, rank, max(1, rank // 2), 1, rank]  # slot 0 is the base; tails past a rank are 0
     for slot, r in enumerate(ranks):
         A[slot, r:] = 0
-        B[slot, :, r:] = 0
+        B[slot, r:] = 0
+    a_len, b_len = rank * in_features, rank * out_features
+    flat = torch.zeros(_NUM_SLOTS, a_len + _GAP + b_len)
+    flat[:, :a_len] = A.reshape(_NUM_SLOTS, -1)
+    flat[:, a_len + _GAP :] = B.reshape(_NUM_SLOTS, -1)
     return {
         "x": torch.randn(tokens, in_features, generator=gen).to(device, x_dtype),
-        "A": A.to(device),
-        "B": B.to(device),
+        "flat": flat.to(device),
         "base": torch.randn(tokens, out_features, generator=gen).to(device, x_dtype),
         "weights": torch.randn(tokens, out_features, generator=gen).to(device),
         "slots": torch.tensor(_SLOTS, device=device),
@@ -115,13 +122,23 @@ def _batch(
     }
 
 
+def _views(
+    flat: torch.Tensor, rank: int, in_features: int, out_features: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    a_len = rank * in_features
+    A = flat[:, :a_len].view(_NUM_SLOTS, rank, in_features)
+    B = flat[:, a_len + _GAP :].view(_NUM_SLOTS, rank, out_features).transpose(1, 2)
+    return A, B
+
+
 def _run(
-    fused: FusedKernel | None, batch: dict[str, torch.Tensor]
+    fused: FusedKernel | None, batch: dict[str, torch.Tensor], rank: int
 ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     """out and (dx, dA, dB) through the fused kernel, or through `loop` when `fused` is None."""
     x = batch["x"].clone().requires_grad_()
-    A = batch["A"].clone().requires_grad_()
-    B = batch["B"].clone().requires_grad_()
+    flat = batch["flat"].clone().requires_grad_()
+    in_features, out_features = x.shape[1], batch["base"].shape[1]
+    A, B = _views(flat, rank, in_features, out_features)
     routing = build_routing(batch["slots"], batch["scales"], bank="kernel-check")
     with torch.enable_grad():
         if fused is None:
@@ -131,7 +148,10 @@ def _run(
         else:
             out = fused(batch["base"].clone(), x, A, B, routing)
         (out.float() * batch["weights"]).sum().backward()
-    return out.detach(), [x.grad, A.grad, B.grad]
+    if flat.grad is None:
+        return out.detach(), [x.grad, None, None]
+    dA, dB = _views(flat.grad, rank, in_features, out_features)
+    return out.detach(), [x.grad, dA, dB]
 
 
 def check_fused_kernel(
@@ -153,9 +173,9 @@ def check_fused_kernel(
     errors: dict[str, float] = {}
     for index, (in_features, out_features) in enumerate(sorted(set(shapes))):
         batch = _batch(in_features, out_features, rank, x_dtype, device, seed + index)
-        want, want_grads = _run(None, batch)
+        want, want_grads = _run(None, batch, rank)
         try:
-            got, got_grads = _run(fused, batch)
+            got, got_grads = _run(fused, batch, rank)
         except Exception as exc:
             raise KernelCheckFailed(
                 f"{in_features}x{out_features}: the fused kernel raised {type(exc).__name__}: {exc}"
@@ -176,7 +196,7 @@ def check_fused_kernel(
 def _layer_shapes(adapted: AdaptedModel) -> list[tuple[int, int]]:
     return sorted(
         {
-            (layer.base_layer.in_features, layer.base_layer.out_features)
+            (layer.in_features, layer.out_features)
             for layer in adapted.layers.values()
             if isinstance(layer, LoRALinear)
         }
@@ -198,6 +218,9 @@ def prove_fused_kernel(
     device = next(adapted.model.parameters()).device
     x_dtype = _base_dtype(adapted)
     shapes = _layer_shapes(adapted)
+    # the rank the kernel really runs at: the banks' rows, r_max padded to their alignment
+    stored = [lb.A.shape[1] for bank in adapted.banks.values() for lb in bank.layer_banks.values()]
+    rank = max(stored, default=rank)
     if kernels != {"auto"}:
         return KernelVerdict(
             kernel=",".join(sorted(kernels)),

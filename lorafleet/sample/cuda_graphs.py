@@ -535,17 +535,18 @@ def _check(engine: SampleEngine, graphs: DecodeGraphs, slot: int) -> float:
             raise GraphCheckFailed(
                 f"the step ran eagerly instead of replaying: {dict(graphs.eager_steps)}"
             )
-        diff = float(
-            (torch.log_softmax(replayed.float(), -1) - torch.log_softmax(eager.float(), -1))
-            .abs()
-            .max()
-        )
+        replayed_lp = torch.log_softmax(replayed.float(), -1)
+        eager_lp = torch.log_softmax(eager.float(), -1)
+        diff = float((replayed_lp - eager_lp).abs().max())
         if not diff <= tolerance:
             raise GraphCheckFailed(
                 f"replayed log-probs differ from eager by {diff:.3g} (tolerance {tolerance:g})"
             )
-        if replayed.argmax(-1).tolist() != eager.argmax(-1).tolist():
-            raise GraphCheckFailed("replay and eager pick different greedy tokens")
+        # Greedy picks agree up to near-ties (a random-weight model's top two tokens can be
+        # closer than rounding): replay's pick must be eager's best within the tolerance.
+        picked = eager_lp.gather(1, replayed_lp.argmax(-1, keepdim=True)).squeeze(1)
+        if bool((picked < eager_lp.max(-1).values - tolerance).any()):
+            raise GraphCheckFailed("replay picks greedy tokens that eager ranks clearly lower")
         worst = max(worst, diff)
     return worst
 
