@@ -378,6 +378,9 @@ def _dist_config(args: argparse.Namespace, device: str = "cpu") -> DistConfig | 
     if args.trainer_ranks == 1 and args.ray is None:
         if args.sampler_replicas != 1:
             raise SystemExit("--sampler-replicas needs --ray")
+        for flag in ("trainer_resource", "sampler_resource"):
+            if getattr(args, flag) is not None:
+                raise SystemExit(f"--{flag.replace('_', '-')} places Ray actors: it needs --ray")
         return None
     from lorafleet.distributed.placement import DistConfig
 

@@ -248,3 +248,43 @@ def test_an_engine_config_off_the_base_models_device_is_refused():
 def test_a_device_choice_is_plain_data():
     choice = DeviceChoice("cpu", "auto", "test cpu", None, None, "auto: no CUDA device")
     assert choice.describe() == "cpu (test cpu; auto: no CUDA device)"
+
+
+# --------------------------------------------------------------------------- the flags
+
+
+def _serve_args(*extra: str):
+    from lorafleet.cli import build_parser
+
+    return build_parser().parse_args(
+        ["serve", "--base-model", "tiny-qwen3", "--data-dir", "d", *extra]
+    )
+
+
+def test_serve_leaves_unset_sizes_to_the_memory_plan_and_keeps_given_ones():
+    from lorafleet.cli import MEMORY_FLAGS, _memory_sizes
+
+    sizes = _memory_sizes(_serve_args())
+    assert sizes["memory_planned"] == frozenset(MEMORY_FLAGS)
+    assert {k: sizes[k] for k in MEMORY_FLAGS} == MEMORY_FLAGS  # the CPU's values
+    given = _memory_sizes(_serve_args("--max-adapters", "3", "--token-budget", "512"))
+    assert given["max_adapters"] == 3 and given["token_budget"] == 512
+    assert given["memory_planned"] == {"max_sample_rows", "prefix_cache_bytes"}
+    for bad in (["--max-adapters", "0"], ["--max-sample-rows", "x"], ["--device", "gpu"]):
+        with pytest.raises(SystemExit):
+            _serve_args(*bad)
+
+
+def test_placement_flags_follow_the_device_and_need_ray():
+    from lorafleet.cli import _dist_config
+
+    ray = _dist_config(
+        _serve_args("--ray", "local", "--sampler-resource", "lorafleet_sampler"), "cuda:0"
+    )
+    assert ray is not None and ray.device == "cuda" and ray.sampler_resource == "lorafleet_sampler"
+    cpu = _dist_config(_serve_args("--ray", "local", "--trainer-device", "cpu"), "cuda:0")
+    assert cpu is not None and cpu.device == "cpu"
+    with pytest.raises(SystemExit, match="--sampler-resource places Ray actors: it needs --ray"):
+        _dist_config(_serve_args("--sampler-resource", "x"), "cpu")
+    with pytest.raises(SystemExit, match="trainer_resource places Ray actors"):
+        _dist_config(_serve_args("--trainer-ranks", "2", "--trainer-resource", "x"), "cpu")

@@ -92,7 +92,9 @@ class SamplerReplica:
 
     def __init__(self, settings: SamplerSettings, index: int):
         from lorafleet.model.adapted import AdaptedModel
+        from lorafleet.model.kernel_check import prove_fused_kernel
         from lorafleet.model.loader import load_base
+        from lorafleet.sample.cuda_graphs import prove_decode_graphs
         from lorafleet.sample.engine import SampleEngine
         from lorafleet.sample.versions import VersionStore
 
@@ -112,6 +114,9 @@ class SamplerReplica:
         self.engine = SampleEngine(
             adapted, self.versions, tokenizer=base.tokenizer, max_rows=settings.max_rows
         )
+        # on CUDA: the fused kernel and graph decode only once they passed their checks here
+        adapted.kernel_verdict = prove_fused_kernel(adapted, settings.r_max)
+        prove_decode_graphs(self.engine)
         # versions received and not dropped (resident or evicted)
         self._keys: set[VersionKey] = set()
         self._load_lock = threading.Lock()

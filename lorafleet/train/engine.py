@@ -306,8 +306,9 @@ class TrainEngine:
         snapshot = None
         grads = self.bank.grads  # None only for an inference-only bank, which never runs backward
         if backward and grads is not None and (len(batches) > 1 or self.device.type != "cpu"):
-            used = sorted(set(slots))
-            snapshot = (grads, used, grads[used].clone())
+            # (the index made now: putting the rows back must not need device memory then)
+            used = torch.tensor(sorted(set(slots)), dtype=torch.int64, device=grads.device)
+            snapshot = (grads, used, grads.index_select(0, used))
         tokens_run = 0
         oom: str | None = None
         try:
@@ -319,7 +320,7 @@ class TrainEngine:
             if snapshot is not None:
                 bank_grads, used, saved = snapshot
                 with torch.no_grad():
-                    bank_grads[used] = saved
+                    bank_grads.index_copy_(0, used, saved)
             if not is_out_of_memory(exc):
                 raise
             total = sum(lengths)
