@@ -28,7 +28,9 @@ the 4-tenant step, alternating. Each ratio compares steps from its own phase.
     .venv/bin/python -m bench.rl --setup-trl --json bench/results/rl.json
 
 Without a TRL venv (`--trl-venv`, created by `--setup-trl` = scripts/setup_trl.sh) the TRL side
-is skipped.
+is skipped. `--device cuda` runs the embedded server (trainer, sampler, caches) on the GPU, as
+`lorafleet rl --device cuda` does; TRL's side is then skipped (it runs on the CPU here), which
+leaves `tenants4_throughput_over_1` (scripts/gpu_check.sh runs it on `qwen3-1.7b-shape`).
 """
 
 from __future__ import annotations
