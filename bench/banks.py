@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from bench.common import (
+    bench_device,
     bench_dtype,
     interleaved,
     parse_args,
@@ -27,18 +28,19 @@ from bench.common import (
 )
 from lorafleet.model.adapted import AdaptedModel
 from lorafleet.model.banks import AdapterSpec
+from lorafleet.model.kernel_check import prove_fused_kernel
 from lorafleet.model.targets import resolve_tinker_targets
 
 ADAPTERS = 8
 ROWS_PER_ADAPTER = 2
 
 
-def build_base(dtype: torch.dtype, seed: int = 0):
+def build_base(dtype: torch.dtype, device: str = "cpu", seed: int = 0):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(
         smollm2_shaped_config(), dtype=dtype, attn_implementation="sdpa"
     )
-    return model.eval().requires_grad_(False)
+    return model.to(device).eval().requires_grad_(False)
 
 
 def ce_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -51,17 +53,19 @@ def main() -> None:
     args = parse_args(
         __doc__, seq_len=(int, 128, "tokens per sequence"), rank=(int, 16, "LoRA rank")
     )
-    choice = bench_dtype(args.dtype)
+    device = bench_device(args.device).device
+    choice = bench_dtype(args.dtype, device)
     dtype = torch_dtype(choice)
     torch.manual_seed(0)
     rows = ADAPTERS * ROWS_PER_ADAPTER
-    input_ids = torch.randint(0, 49152, (rows, args.seq_len))
-    targets = torch.randint(0, 49152, (rows, args.seq_len))
+    input_ids = torch.randint(0, 49152, (rows, args.seq_len)).to(device)
+    targets = torch.randint(0, 49152, (rows, args.seq_len)).to(device)
 
-    model = build_base(dtype)
+    model = build_base(dtype, device)
     paths = resolve_tinker_targets(model)
     adapted = AdaptedModel(model, paths)
     bank = adapted.add_bank("train", num_slots=ADAPTERS + 1, r_max=args.rank)
+    adapted.kernel_verdict = prove_fused_kernel(adapted, args.rank)  # as the engines do on CUDA
     slots = [
         bank.allocate(AdapterSpec(rank=args.rank, alpha=2.0 * args.rank, seed=i))
         for i in range(ADAPTERS)
@@ -84,7 +88,7 @@ def main() -> None:
     from peft import LoraConfig, get_peft_model
 
     peft_model = get_peft_model(
-        build_base(dtype),
+        build_base(dtype, device),
         LoraConfig(
             r=args.rank, lora_alpha=2 * args.rank, target_modules=list(paths), lora_dropout=0.0
         ),

@@ -24,7 +24,16 @@ from pathlib import Path
 import torch
 
 from lorafleet.fsio import atomic_write_bytes
-from lorafleet.hardware import DtypeChoice, cpu_info, dtype_name, resolve_dtype
+from lorafleet.hardware import (
+    DEVICE_HELP,
+    DeviceChoice,
+    DtypeChoice,
+    cpu_info,
+    dtype_name,
+    parse_device,
+    resolve_device,
+    resolve_dtype,
+)
 from lorafleet.model.banks import AdapterSpec
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -49,11 +58,48 @@ def add_dtype_option(parser: argparse.ArgumentParser, default: str = "auto") -> 
     )
 
 
+def _device_value(value: str) -> str:
+    try:
+        return parse_device(value)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def add_device_option(parser: argparse.ArgumentParser, default: str = "cpu") -> None:
+    """`--device` for benches that build their own parser: where our engines run. The default
+    is the CPU, where the figures in docs/performance.md were measured and where the peers some
+    benches compare against (vLLM's CPU build, TRL, skyrl-tx) run; `auto` or `cuda[:N]` moves
+    our side (and the peers that can follow it) to a GPU."""
+    parser.add_argument(
+        "--device",
+        type=_device_value,
+        default=_device_value(default),
+        help=f"where our engines run: {DEVICE_HELP} (default: %(default)s)",
+    )
+
+
+def bench_device(value: str) -> DeviceChoice:
+    """`--device` resolved (a missing CUDA device is refused, naming what was found), printed
+    with the device's name and memory, and kept for `environment` (every JSON records it)."""
+    global _DEVICE
+    _DEVICE = resolve_device(_device_value(value))
+    print(f"device: {_DEVICE.describe()}", flush=True)
+    return _DEVICE
+
+
+_DEVICE: DeviceChoice | None = None  # the bench's device once resolved (bench_device)
+
+
 def parse_args(
-    description: str, *, with_dtype: bool = True, **extra: tuple[type, object, str]
+    description: str,
+    *,
+    with_dtype: bool = True,
+    with_device: bool = True,
+    **extra: tuple[type, object, str],
 ) -> argparse.Namespace:
     """The common options (`--json`, `--repeats`, `--dtype` unless `with_dtype=False`, for the
-    benches whose dtype is fixed by what they compare) plus the bench's own `extra` ones."""
+    benches whose dtype is fixed by what they compare, `--device` unless `with_device=False`,
+    for those that run on the CPU only) plus the bench's own `extra` ones."""
     parser = argparse.ArgumentParser(
         description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -63,6 +109,8 @@ def parse_args(
     )
     if with_dtype:
         add_dtype_option(parser)
+    if with_device:
+        add_device_option(parser)
     for name, (kind, default, help_text) in extra.items():
         parser.add_argument(
             f"--{name.replace('_', '-')}", type=kind, default=default, help=help_text
@@ -97,11 +145,13 @@ def interleaved(
     for _ in range(warmup):
         for fn in sides.values():
             fn()
+            _synchronize()
     times: dict[str, list[float]] = {name: [] for name in sides}
     for _ in range(repeats):
         for name, fn in sides.items():
             start = time.perf_counter()
             fn()
+            _synchronize()  # a side on a GPU has finished only when its kernels have
             times[name].append(time.perf_counter() - start)
     out = {}
     for name, values in times.items():
@@ -112,6 +162,11 @@ def interleaved(
             "runs": len(values),
         }
     return out
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def _native_path() -> str:
@@ -125,10 +180,13 @@ def _native_path() -> str:
 
 def environment(dtype: DtypeChoice | None = None) -> dict[str, object]:
     """Where a bench ran: the CPU and what this process may use of it (the ATen / oneDNN caps
-    lower it), the threads, the native LoRA kernel path, the CUDA device, and the dtype choice
-    with its reason. Read at the end of a run, so the thread count is the one it ran with."""
+    lower it), the threads, the native LoRA kernel path, the device our engines ran on (its
+    name and memory; the CPU when the bench took no `--device`), the CUDA device, and the
+    dtype choice with its reason. Read at the end of a run, so the thread count is the one it
+    ran with."""
     info = cpu_info()
     cuda = torch.cuda.is_available()
+    device = _DEVICE if _DEVICE is not None else resolve_device("cpu")
     try:
         allowed = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -148,6 +206,7 @@ def environment(dtype: DtypeChoice | None = None) -> dict[str, object]:
         "python": platform.python_version(),
         "cuda_device": torch.cuda.get_device_name() if cuda else None,
         "cuda_version": torch.version.cuda if cuda else None,
+        "device": device.record(),
         "dtype": dtype.record() if dtype is not None else None,
     }
 
@@ -166,7 +225,8 @@ def report(
     `dtype` is required so that no result is written without the dtype it was measured in and
     why (it lands in `environment.dtype`, next to the machine it ran on)."""
     print(f"\n{title}")
-    print(f"dtype {dtype.dtype} ({dtype.reason}); native kernels {_native_path()}")
+    where = _DEVICE.device if _DEVICE is not None else "cpu"
+    print(f"device {where}; dtype {dtype.dtype} ({dtype.reason}); native kernels {_native_path()}")
     print(f"{'side':<34}{'min ms':>12}{'median ms':>12}")
     for name, t in timings.items():
         print(f"{name:<34}{t['min_s'] * 1e3:>12.2f}{t['median_s'] * 1e3:>12.2f}")

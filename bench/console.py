@@ -60,6 +60,7 @@ def _datum(tokens: list[int]) -> types.Datum:
 def main() -> None:
     args = parse_args(
         __doc__ or "",
+        with_device=False,
         with_dtype=False,
         base_model=(str, "tiny-qwen3", "the server's base model (a preset or a local dir)"),
         steps=(int, 10, "training steps per timed block"),

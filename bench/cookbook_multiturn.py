@@ -29,7 +29,13 @@ from typing import Any
 
 import httpx
 
-from bench.common import environment, fixed_dtype, wait_healthy
+from bench.common import (
+    add_device_option,
+    bench_device,
+    environment,
+    fixed_dtype,
+    wait_healthy,
+)
 
 RECIPE = "tinker_cookbook.recipes.multiplayer_rl.guess_number.train"
 # The project installs the cookbook with --no-deps (it pins transformers<=5.5.4), so the recipe
@@ -98,6 +104,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="preset or local HF dir; the recipe gets its directory as model_name (default: %(default)s)",
     )
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    add_device_option(parser)
     parser.add_argument("--max-steps", type=int, default=2)
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=4)
@@ -226,6 +233,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         str(work / "data"),
         "--dtype",
         args.dtype,
+        "--device",
+        bench_device(args.device).device,
         *args.serve_arg,
     ]
     serve_log = work / "serve.log"

@@ -22,7 +22,14 @@ import time
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from bench.common import bench_dtype, interleaved, parse_args, report, torch_dtype
+from bench.common import (
+    bench_device,
+    bench_dtype,
+    interleaved,
+    parse_args,
+    report,
+    torch_dtype,
+)
 from lorafleet.model.adapted import AdaptedModel
 from lorafleet.model.banks import AdapterSpec
 from lorafleet.model.targets import resolve_tinker_targets
@@ -68,12 +75,13 @@ def main() -> None:
     )
     if args.threads:
         torch.set_num_threads(args.threads)
-    choice = bench_dtype(args.dtype)
+    device = bench_device(args.device).device
+    choice = bench_dtype(args.dtype, device)
     dtype = torch_dtype(choice)
     torch.manual_seed(0)
     model = (
         Qwen3MoeForCausalLM(scaled_moe_config(args.hidden, args.experts, args.layers))
-        .to(dtype)
+        .to(device=device, dtype=dtype)
         .eval()
     )
     # A sharper router than the random init's near-uniform one, so tokens spread unevenly over

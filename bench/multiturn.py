@@ -35,7 +35,13 @@ import time
 
 import torch
 
-from bench.common import bench_dtype, parse_args, publish_random_adapters, report
+from bench.common import (
+    bench_device,
+    bench_dtype,
+    parse_args,
+    publish_random_adapters,
+    report,
+)
 from lorafleet.engines import colocate
 from lorafleet.model.loader import load_base
 from lorafleet.model.targets import resolve_tinker_targets
@@ -102,8 +108,9 @@ def main() -> None:
         train_repeats=(int, 3, "rounds of bench.multiturn_train.measure (0: skip it)"),
     )
     torch.set_num_threads(args.threads)
-    choice = bench_dtype(args.dtype)
-    base = load_base(PRESET, dtype=choice.dtype)
+    device = bench_device(args.device).device
+    choice = bench_dtype(args.dtype, device)
+    base = load_base(PRESET, dtype=choice.dtype, device=device)
     stack = colocate(
         base.model,
         resolve_tinker_targets(base.model, train_unembed=False),
@@ -186,7 +193,12 @@ def main() -> None:
             print(f"bench.multiturn_train is missing ({exc}): no training figures")
         else:
             train = measure(
-                PRESET, args.dtype, args.episodes, args.turns, repeats=args.train_repeats
+                PRESET,
+                args.dtype,
+                args.episodes,
+                args.turns,
+                repeats=args.train_repeats,
+                device=device,
             )
             extra["train"] = train
             ratios["train_nested_prefix_speedup"] = (

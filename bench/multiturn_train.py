@@ -33,10 +33,11 @@ from collections.abc import Callable
 
 import torch
 
-from bench.common import bench_dtype, interleaved, parse_args, report
+from bench.common import bench_device, bench_dtype, interleaved, parse_args, report
 from lorafleet.hardware import DtypeChoice
 from lorafleet.model.adapted import AdaptedModel
 from lorafleet.model.banks import AdapterSpec
+from lorafleet.model.kernel_check import prove_fused_kernel
 from lorafleet.model.loader import load_base
 from lorafleet.model.targets import resolve_tinker_targets
 from lorafleet.train.engine import BatchOutput, TrainEngine, TrainItem
@@ -101,11 +102,13 @@ def _run(
     repeats: int,
     warmup: int,
     rerendered: bool,
+    device: str = "cpu",
 ) -> tuple[dict, dict[str, dict[str, float]], DtypeChoice]:
-    choice = bench_dtype(dtype)
-    model = load_base(base_model, dtype=choice.dtype).model
+    choice = bench_dtype(dtype, device)
+    model = load_base(base_model, dtype=choice.dtype, device=device).model
     adapted = AdaptedModel(model, resolve_tinker_targets(model))
     adapted.add_bank("train", num_slots=2, r_max=RANK)
+    adapted.kernel_verdict = prove_fused_kernel(adapted, RANK)  # as the engines do on CUDA
     engines = {
         side: TrainEngine(adapted, base_model_id=base_model, share_prefixes=side == "shared")
         for side in SIDES
@@ -113,7 +116,9 @@ def _run(
     first = engines["shared"]
     slot = first.create_adapter(AdapterSpec(rank=RANK, alpha=2.0 * RANK, seed=0))
     with torch.no_grad():  # a trained-looking adapter, so B is not zero
-        first.bank.params[slot].normal_(0, 0.02, generator=torch.Generator().manual_seed(1))
+        first.bank.params[slot].normal_(
+            0, 0.02, generator=torch.Generator(first.device).manual_seed(1)
+        )
     items = multiturn_batch(slot, first.vocab_size, episodes, turns, rerendered)
     prepared = first.prepare(items)
     runs: dict[str, BatchOutput] = {}
@@ -157,11 +162,12 @@ def measure(
     repeats: int = 3,
     warmup: int = 0,
     rerendered: bool = False,
+    device: str = "cpu",
 ) -> dict:
     """The figures of one run (times are medians over `repeats` interleaved rounds); what
     bench/multiturn.py merges into its JSON. No warm-up round by default: each side runs for
     seconds, so a first round's one-time costs are noise, and a round costs minutes on CPU."""
-    return _run(base_model, dtype, episodes, turns, repeats, warmup, rerendered)[0]
+    return _run(base_model, dtype, episodes, turns, repeats, warmup, rerendered, device)[0]
 
 
 def main() -> None:
@@ -183,6 +189,7 @@ def main() -> None:
         args.repeats,
         args.warmup,
         bool(args.rerendered),
+        bench_device(args.device).device,
     )
     report(
         f"multiturn_train: {args.model} {choice.dtype}, {args.episodes} episodes x {args.turns} "

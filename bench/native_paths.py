@@ -39,7 +39,7 @@ def _problem(in_features: int, out_features: int, tokens: int, dtype: torch.dtyp
 
 
 def main() -> None:
-    args = parse_args(__doc__)
+    args = parse_args(__doc__, with_device=False)
     choice = bench_dtype(args.dtype)
     dtype = torch_dtype(choice)
     paths = native.runnable_paths()

@@ -28,7 +28,9 @@ the 4-tenant step, alternating. Each ratio compares steps from its own phase.
     .venv/bin/python -m bench.rl --setup-trl --json bench/results/rl.json
 
 Without a TRL venv (`--trl-venv`, created by `--setup-trl` = scripts/setup_trl.sh) the TRL side
-is skipped.
+is skipped. `--device cuda` runs the embedded server (trainer, sampler, caches) on the GPU, as
+`lorafleet rl --device cuda` does; TRL's side is then skipped (it runs on the CPU here), which
+leaves `tenants4_throughput_over_1` (scripts/gpu_check.sh runs it on `qwen3-1.7b-shape`).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
-from bench.common import add_dtype_option, bench_dtype, report
+from bench.common import add_device_option, add_dtype_option, bench_device, bench_dtype, report
 from lorafleet.rl.connect import Backend, load_tokenizer, start_backend
 from lorafleet.rl.envs import make_env
 from lorafleet.rl.loop import RLConfig, TenantConfig, TenantRunner, render_prompt
@@ -329,6 +331,7 @@ def main() -> None:
         help="torch threads on both sides (default: torch's)",
     )
     add_dtype_option(parser, default=DEFAULT_DTYPE)
+    add_device_option(parser)  # the embedded server's; TRL's side stays on the CPU
     parser.add_argument("--trl-venv", type=Path, default=DEFAULT_TRL_VENV)
     parser.add_argument(
         "--setup-trl", action="store_true", help="create --trl-venv first (scripts/setup_trl.sh)"
@@ -338,7 +341,8 @@ def main() -> None:
     parser.add_argument("--no-tenants4", action="store_true", help="skip the 4-tenant side")
     args = parser.parse_args()
     # Resolved here, once: our server and TRL's process both get this concrete dtype.
-    choice = bench_dtype(args.dtype)
+    device = bench_device(args.device).device
+    choice = bench_dtype(args.dtype, device)
     dtype = choice.dtype
     if args.setup_trl:
         setup_trl(args.trl_venv)
@@ -371,8 +375,11 @@ def main() -> None:
             max_rank=RANK,  # as `lorafleet rl` sizes its banks: the tenants' largest rank
             max_sample_rows=128,
             torch_threads=args.torch_threads,
+            device=device,
         )
-        config = RLConfig(args.base_model, run_dir, tenants, progress=False, dtype=dtype)
+        config = RLConfig(
+            args.base_model, run_dir, tenants, progress=False, dtype=dtype, device=device
+        )
         stop = threading.Event()
         runners = [
             TenantRunner(t, config, backend, k, Progress(False), stop)
@@ -440,7 +447,9 @@ def main() -> None:
 
         trl: TrlSide | None = None
         try:
-            if trl_python.exists():
+            if trl_python.exists() and device != "cpu":
+                print("TRL's side runs on the CPU only: skipped with --device " + device)
+            elif trl_python.exists():
                 steps_needed = args.trl_warmup + args.repeats * args.trl_steps_per_round
                 spec = trl_spec(
                     backend,
@@ -554,6 +563,7 @@ def main() -> None:
             "prompts_per_step": PROMPTS,
             "group_size": GROUP,
             "dtype": dtype,
+            "device": device,
             "learning_rate": tenants[0].learning_rate,
             "lora": {k: adapter_config[k] for k in ("r", "lora_alpha")}
             | {"target_layers": len(adapter_config["target_modules"])},

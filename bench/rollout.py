@@ -57,7 +57,7 @@ os.environ.setdefault("TINKER_TELEMETRY", "0")
 import httpx
 import tinker
 
-from bench.common import fixed_dtype, report, wait_healthy
+from bench.common import add_device_option, bench_device, fixed_dtype, report, wait_healthy
 from lorafleet.fsio import atomic_write_bytes, ensure_private_dir
 from lorafleet.rl.connect import Backend, load_tokenizer, start_backend
 from lorafleet.rl.loop import RLConfig, TenantConfig, TenantRunner
@@ -136,6 +136,8 @@ class Side:
             str(self.port),
             "--dtype",
             "float32",
+            "--device",
+            self.args.device,
             "--max-lora-rank",
             str(self.args.rank),
             *(["--torch-threads", str(self.args.torch_threads)] if self.args.torch_threads else []),
@@ -449,7 +451,11 @@ def main() -> None:
     parser.add_argument(
         "--startup-s", type=float, default=900.0, help="how long a server may take to start"
     )
+    add_device_option(
+        parser
+    )  # our servers' (the trainer and embedded sampler); vLLM: its CPU build
     args = parser.parse_args()
+    args.device = bench_device(args.device).device
     wanted = [s.strip() for s in args.sides.split(",") if s.strip()]
     bad = [s for s in wanted if s not in SIDES[1:]]
     if bad or not wanted:

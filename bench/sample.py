@@ -50,7 +50,9 @@ from pathlib import Path
 import torch
 
 from bench.common import (
+    add_device_option,
     add_dtype_option,
+    bench_device,
     bench_dtype,
     interleaved,
     make_prompts,
@@ -109,11 +111,12 @@ def parse_cli() -> argparse.Namespace:
         "default), or a VLLM_CPU_OMP_THREADS_BIND value such as 0-1",
     )
     add_dtype_option(parser)
+    add_device_option(parser)  # ours and PEFT's; the vLLM peer is its CPU build (skipped off it)
     return parser.parse_args()
 
 
-def build_ours(rank: int, max_rows: int, dtype: str) -> tuple[Colocated, list]:
-    base = load_base(PRESET, dtype=dtype)
+def build_ours(rank: int, max_rows: int, dtype: str, device: str = "cpu") -> tuple[Colocated, list]:
+    base = load_base(PRESET, dtype=dtype, device=device)
     paths = resolve_tinker_targets(base.model, train_unembed=False)
     stack = colocate(
         base.model,
@@ -136,10 +139,10 @@ def export_adapters(stack: Colocated, workdir: Path) -> list[Path]:
     ]
 
 
-def build_peft(adapter_dirs: list[Path], dtype: str):
+def build_peft(adapter_dirs: list[Path], dtype: str, device: str = "cpu"):
     from peft import PeftModel
 
-    base = load_base(PRESET, dtype=dtype)
+    base = load_base(PRESET, dtype=dtype, device=device)
     model = PeftModel.from_pretrained(base.model, adapter_dirs[0], adapter_name="a0")
     for i, path in enumerate(adapter_dirs[1:], start=1):
         model.load_adapter(path, adapter_name=f"a{i}")
@@ -304,10 +307,11 @@ def main() -> None:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
-    choice = bench_dtype(args.dtype)
+    device = bench_device(args.device).device
+    choice = bench_dtype(args.dtype, device)
     native_path = native.path_name()
     print(f"native kernel path: {native_path}", flush=True)
-    stack, keys = build_ours(args.rank, ADAPTERS * args.seqs_per_adapter, choice.dtype)
+    stack, keys = build_ours(args.rank, ADAPTERS * args.seqs_per_adapter, choice.dtype, device)
     vocab = stack.sampler.limits.vocab_size
     count = ADAPTERS * args.seqs_per_adapter
     prompts = make_prompts(count, args.prompt_len, vocab)
@@ -323,27 +327,29 @@ def main() -> None:
 
     adapted = stack.sampler.adapted
 
-    def ours(requests, name, kernel="auto"):
+    chosen = adapted.kernel  # what the start-up check left ("auto", or "torch" on CUDA)
+
+    def ours(requests, name, kernel=chosen):
         def run():
             adapted.set_kernel(kernel)
             try:
                 results = stack.sampler.generate(requests)
             finally:
-                adapted.set_kernel("auto")
+                adapted.set_kernel(chosen)
             outputs[name] = [r.sequences[0].tokens for r in results]
 
         return run
 
     workdir = Path(tempfile.mkdtemp(prefix="lorafleet-bench-sample-"))
     adapter_dirs = export_adapters(stack, workdir)
-    peft_model, tokenizer = build_peft(adapter_dirs, choice.dtype)
+    peft_model, tokenizer = build_peft(adapter_dirs, choice.dtype, device)
     pad_id = (
         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     )
 
     def peft_generate():
         outputs["peft"] = peft_generate_per_adapter(
-            peft_model, prompts, owner, args.new_tokens, pad_id
+            peft_model, prompts, owner, args.new_tokens, pad_id, device
         )
 
     sides = {
@@ -358,6 +364,8 @@ def main() -> None:
     try:
         if args.no_vllm:
             vllm_info["skipped"] = "--no-vllm"
+        elif device != "cpu":
+            vllm_info["skipped"] = f"the vLLM peer is its CPU build; ours ran on {device}"
         else:
             ensure_vllm_venv()
             omp_env = vllm_omp_env(args.vllm_omp_bind, threads)

@@ -323,6 +323,7 @@ def bench_ray(args, targets) -> dict:
 def main() -> None:
     args = parse_args(
         __doc__,
+        with_device=False,
         with_dtype=False,
         part=(str, "all", "gather, ray or all"),
         adapters=(int, 4, "adapters stepped (and synced) per training step, Ray part"),

@@ -248,7 +248,13 @@ class Side:
 
 def driver_main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from bench.common import add_dtype_option, bench_dtype, report
+    from bench.common import (
+        add_device_option,
+        add_dtype_option,
+        bench_device,
+        bench_dtype,
+        report,
+    )
     from lorafleet.model.presets import materialize
     from lorafleet.server.main import free_port
 
@@ -266,8 +272,10 @@ def driver_main() -> None:
         help="lorafleet engine threads (1 is fastest for tiny models on shared CPUs)",
     )
     add_dtype_option(parser)
+    add_device_option(parser)  # lorafleet's server; skyrl-tx runs on the CPU
     args = parser.parse_args()
-    choice = bench_dtype(args.dtype)
+    device = bench_device(args.device).device
+    choice = bench_dtype(args.dtype, device)
 
     model_dir = str(materialize("tiny-qwen3"))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "LORAFLEET_API_KEYS": KEY}
@@ -297,6 +305,8 @@ def driver_main() -> None:
                         str(args.torch_threads),
                         "--dtype",
                         choice.dtype,
+                        "--device",
+                        device,
                     ],
                     sys.executable,
                     env,

@@ -47,6 +47,7 @@ PRESET = "smollm2-135m"
 def main() -> None:
     args = parse_args(
         __doc__,
+        with_device=False,
         with_dtype=False,
         rank=(int, 16, "LoRA rank"),
         threads=(int, 1, "torch threads in this process (the vLLM servers use one core each)"),

@@ -68,7 +68,7 @@ os.environ.setdefault("TINKER_TELEMETRY", "0")
 import tinker
 from tinker import types
 
-from bench.common import add_dtype_option, bench_dtype, report
+from bench.common import add_device_option, add_dtype_option, bench_device, bench_dtype, report
 from lorafleet.hardware import DtypeChoice
 from lorafleet.server.config import ServerConfig
 from lorafleet.server.engine.executor import EngineConfig
@@ -80,7 +80,7 @@ RANK = 4
 RESULT_TIMEOUT_S = 600.0
 PROMPT = types.ModelInput.from_ints([11, 22, 33, 44])
 SAMPLE_PARAMS = types.SamplingParams(max_tokens=8, temperature=1.0, seed=3, stop=[])
-ENGINE_OPTIONS = ("warm_bytes",)
+ENGINE_OPTIONS = ("warm_bytes", "device")
 
 
 def _log(message: str) -> None:
@@ -218,6 +218,7 @@ def server_options(args: argparse.Namespace) -> dict[str, Any]:
         options["round_token_budget"] = args.round_tokens
     if args.warm_bytes is not None:
         options["warm_bytes"] = args.warm_bytes
+    options["device"] = args.device  # resolved by bench_device in main
     return options
 
 
@@ -833,6 +834,7 @@ def _args() -> argparse.Namespace:
     parser.add_argument("--json", type=Path, default=None, help="write the results here as JSON")
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds per side")
     add_dtype_option(parser)
+    add_device_option(parser)
     parser.add_argument("--only", default=",".join(PARTS), help="comma-separated parts to run")
     parser.add_argument("--runs", type=int, default=256, help="(a) registered training runs")
     parser.add_argument("--clients", type=int, default=64, help="(a) SDK clients, one tenant each")
@@ -887,7 +889,8 @@ def _args() -> argparse.Namespace:
 
 def main() -> int:
     args = _args()
-    dtype = bench_dtype(args.dtype)
+    args.device = bench_device(args.device).device
+    dtype = bench_dtype(args.dtype, args.device)
     parts = [p.strip() for p in args.only.split(",") if p.strip()]
     unknown = [p for p in parts if p not in PARTS]
     if unknown:

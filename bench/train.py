@@ -20,6 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from bench.common import (
+    bench_device,
     bench_dtype,
     interleaved,
     parse_args,
@@ -29,6 +30,7 @@ from bench.common import (
 )
 from lorafleet.model.adapted import AdaptedModel
 from lorafleet.model.banks import AdapterSpec
+from lorafleet.model.kernel_check import prove_fused_kernel
 from lorafleet.model.targets import resolve_tinker_targets
 from lorafleet.train.engine import TrainEngine, TrainItem
 from lorafleet.train.optim import AdamHParams
@@ -36,9 +38,11 @@ from lorafleet.train.optim import AdamHParams
 ADAPTERS = 8
 
 
-def matmul_flops_per_s(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
-    a = torch.randn(size, size, dtype=dtype)
-    b = torch.randn(size, size, dtype=dtype)
+def matmul_flops_per_s(
+    dtype: torch.dtype, size: int = 2048, repeats: int = 5, device: str = "cpu"
+) -> float:
+    a = torch.randn(size, size, dtype=dtype, device=device)
+    b = torch.randn(size, size, dtype=dtype, device=device)
     timing = interleaved({"matmul": lambda: a @ b}, repeats=repeats)
     return 2 * size**3 / timing["matmul"]["min_s"]
 
@@ -47,16 +51,18 @@ def main() -> None:
     args = parse_args(
         __doc__, seq_len=(int, 128, "tokens per sequence"), rank=(int, 16, "LoRA rank")
     )
-    choice = bench_dtype(args.dtype)
+    device = bench_device(args.device).device
+    choice = bench_dtype(args.dtype, device)
     dtype = torch_dtype(choice)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(
         smollm2_shaped_config(), dtype=dtype, attn_implementation="sdpa"
     )
-    model.eval().requires_grad_(False)
+    model.to(device).eval().requires_grad_(False)
     base_params = sum(p.numel() for p in model.parameters())
     adapted = AdaptedModel(model, resolve_tinker_targets(model))
     adapted.add_bank("train", num_slots=ADAPTERS + 1, r_max=args.rank)
+    adapted.kernel_verdict = prove_fused_kernel(adapted, args.rank)  # as the engines do on CUDA
     engine = TrainEngine(
         adapted, base_model_id="smollm2-shaped", token_budget=ADAPTERS * 2 * args.seq_len
     )
@@ -109,7 +115,7 @@ def main() -> None:
         for opt in torch_opts:
             opt.step()
 
-    matmul = matmul_flops_per_s(dtype)
+    matmul = matmul_flops_per_s(dtype, device=device)
     timings = interleaved({"forward_backward (8 adapters mixed)": fwd_bwd}, repeats=args.repeats)
     opt_timings = interleaved(
         {"BankAdamW (8 adapters, 1 call)": bank_step, "torch AdamW (8 optimizers)": torch_steps},

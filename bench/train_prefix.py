@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import torch
 
-from bench.common import bench_dtype, interleaved, parse_args, report
+from bench.common import bench_device, bench_dtype, interleaved, parse_args, report
 from lorafleet.model.adapted import AdaptedModel
 from lorafleet.model.banks import AdapterSpec
+from lorafleet.model.kernel_check import prove_fused_kernel
 from lorafleet.model.loader import load_base
 from lorafleet.model.targets import resolve_tinker_targets
 from lorafleet.train.engine import TrainEngine, TrainItem
@@ -75,17 +76,21 @@ def main() -> None:
         rank=(int, 8, "LoRA rank"),
     )
     torch.set_num_threads(args.threads)
-    choice = bench_dtype(args.dtype)
-    model = load_base(PRESET, dtype=choice.dtype).model
+    device = bench_device(args.device).device
+    choice = bench_dtype(args.dtype, device)
+    model = load_base(PRESET, dtype=choice.dtype, device=device).model
     adapted = AdaptedModel(model, resolve_tinker_targets(model))
     adapted.add_bank("train", num_slots=2, r_max=args.rank)
+    adapted.kernel_verdict = prove_fused_kernel(adapted, args.rank)  # as the engines do on CUDA
     engines = {
         name: TrainEngine(adapted, base_model_id=PRESET, **flags) for name, flags in SIDES.items()
     }
     first = next(iter(engines.values()))
     slot = first.create_adapter(AdapterSpec(rank=args.rank, alpha=2.0 * args.rank, seed=0))
     with torch.no_grad():  # a trained-looking adapter, so B is not zero
-        first.bank.params[slot].normal_(0, 0.02, generator=torch.Generator().manual_seed(1))
+        first.bank.params[slot].normal_(
+            0, 0.02, generator=torch.Generator(first.device).manual_seed(1)
+        )
     items = rl_batch(slot, first.vocab_size, GROUPS - args.dropped_groups)
     prepared = first.prepare(items)
 

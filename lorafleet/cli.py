@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lorafleet.model.presets import PRESETS, PresetUnavailableError
 
@@ -121,13 +121,48 @@ def _add_dtype_option(parser: argparse.ArgumentParser, what: str) -> None:
     )
 
 
-def _resolve_dtype(value: str) -> str:
-    """`auto` becomes the machine's choice, printed with its reason (an explicit value wins)."""
+def _resolve_dtype(value: str, device: str = "cpu") -> str:
+    """`auto` becomes the machine's choice on `device`, printed with its reason (an explicit
+    value wins)."""
     from lorafleet.hardware import resolve_dtype
 
-    choice = resolve_dtype(value)
+    choice = resolve_dtype(value, device)
     print(f"lorafleet: dtype {choice.dtype} ({choice.reason})", file=sys.stderr)
     return choice.dtype
+
+
+# --------------------------------------------------------------------------- device
+
+
+def _device_value(value: str) -> str:
+    from lorafleet.hardware import parse_device
+
+    try:
+        return parse_device(value)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _add_device_option(parser: argparse.ArgumentParser, what: str) -> None:
+    from lorafleet.hardware import DEVICE_HELP
+
+    parser.add_argument(
+        "--device",
+        type=_device_value,
+        default="auto",
+        help=f"{what}: {DEVICE_HELP} (default: %(default)s)",
+    )
+
+
+def _resolve_device(value: str) -> str:
+    """`--device` resolved and printed with the device's name and memory; a CUDA device that
+    is not here raises DeviceUnavailableError (a user error: exit 2) before anything is loaded
+    or written."""
+    from lorafleet.hardware import resolve_device
+
+    choice = resolve_device(value)
+    print(f"lorafleet: device {choice.describe()}", file=sys.stderr)
+    return choice.device
 
 
 # --------------------------------------------------------------------------- demo
@@ -138,8 +173,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     from lorafleet.demo import run_demo
 
+    device = _resolve_device(args.device)
     run_demo(
-        args.base_model, dtype=_resolve_dtype(args.dtype), steps=args.steps, out_dir=Path(args.out)
+        args.base_model,
+        dtype=_resolve_dtype(args.dtype, device),
+        steps=args.steps,
+        out_dir=Path(args.out),
+        device=device,
     )
     return 0
 
@@ -148,6 +188,7 @@ def _register_demo(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("demo", help="four adapters train in shared mixed batches")
     parser.add_argument("--base-model", default="smollm2-135m", help="preset name or local HF dir")
     _add_dtype_option(parser, "base model dtype")
+    _add_device_option(parser, "where the base and the adapters run")
     parser.add_argument("--steps", type=int, default=8, help="training steps")
     parser.add_argument("--out", default="runs/demo", help="where the PEFT adapters are written")
     parser.set_defaults(func=_cmd_demo)
@@ -170,17 +211,18 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     rollout = _rollout_config(args, "serve")
+    device = _resolve_device(args.device)
     engine = EngineConfig(
         base_model=args.base_model,
-        dtype=_resolve_dtype(_rollout_dtype(args.dtype, rollout)),
-        max_adapters=args.max_adapters,
+        dtype=_resolve_dtype(_rollout_dtype(args.dtype, rollout), device),
         warm_bytes=args.warm_bytes,
-        prefix_cache_bytes=args.prefix_cache_bytes,
         sampler_slots=args.sampler_slots,
         max_lora_rank=args.max_lora_rank,
         lora_alpha=args.lora_alpha,
-        dist=_dist_config(args),
+        dist=_dist_config(args, device),
         rollout=rollout,
+        device=device,
+        **_memory_sizes(args),
     )
     config = ServerConfig(
         base_model=args.base_model,
@@ -305,20 +347,52 @@ def _add_rollout_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _dist_config(args: argparse.Namespace) -> DistConfig | None:
-    """Placement flags -> DistConfig; None keeps the single-process engine."""
+# The sizes `lorafleet serve` leaves to the device's memory when their flag is not given
+# (lorafleet/model/memory.py), with the value each keeps where nothing is planned (the CPU).
+MEMORY_FLAGS: dict[str, int | None] = {
+    "max_adapters": 8,
+    "token_budget": 4096,  # train.engine.DEFAULT_TOKEN_BUDGET (not imported: the CLI starts light)
+    "max_sample_rows": 32,  # sample.engine.DEFAULT_MAX_ROWS
+    "prefix_cache_bytes": None,  # the sampler's default: 512 tokens of KV per row
+}
+
+
+def _memory_sizes(args: argparse.Namespace) -> dict[str, Any]:
+    """EngineConfig's sizes from the flags: each flag left unset is planned from the device's
+    free memory (on CUDA) and keeps its default elsewhere."""
+    sizes: dict[str, Any] = {}
+    planned = set()
+    for name, default in MEMORY_FLAGS.items():
+        value = getattr(args, name)
+        if value is None:
+            planned.add(name)
+            value = default
+        sizes[name] = value
+    sizes["memory_planned"] = frozenset(planned)
+    return sizes
+
+
+def _dist_config(args: argparse.Namespace, device: str = "cpu") -> DistConfig | None:
+    """Placement flags -> DistConfig; None keeps the single-process engine. The ranks' device
+    follows --device unless --trainer-device says otherwise."""
     if args.trainer_ranks == 1 and args.ray is None:
         if args.sampler_replicas != 1:
             raise SystemExit("--sampler-replicas needs --ray")
+        for flag in ("trainer_resource", "sampler_resource"):
+            if getattr(args, flag) is not None:
+                raise SystemExit(f"--{flag.replace('_', '-')} places Ray actors: it needs --ray")
         return None
     from lorafleet.distributed.placement import DistConfig
 
+    trainer_device = args.trainer_device or ("cuda" if device.startswith("cuda") else "cpu")
     config = DistConfig(
         trainer_ranks=args.trainer_ranks,
         ray=args.ray,
         sampler_replicas=args.sampler_replicas,
-        device=args.trainer_device,
+        device=trainer_device,
         torch_threads=args.torch_threads,
+        trainer_resource=args.trainer_resource,
+        sampler_resource=args.sampler_resource,
     )
     try:
         config.validate()
@@ -345,6 +419,16 @@ def _positive_tokens(value: str) -> int:
     if tokens < 1:
         raise argparse.ArgumentTypeError(f"must be a positive number of tokens, got {value!r}")
     return tokens
+
+
+def _positive_count(value: str) -> int:
+    try:
+        count = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value!r}")
+    return count
 
 
 def _byte_count(value: str) -> int:
@@ -387,11 +471,26 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
         help="requests queued in all before new ones get 429 (the SDK retries them)",
     )
     _add_dtype_option(parser, "base model dtype")
+    _add_device_option(parser, "where the trainer, the sampler and their caches run")
     parser.add_argument(
         "--max-adapters",
-        type=int,
-        default=8,
-        help="trainer slots: training runs resident at once (more runs are paged out, not refused)",
+        type=_positive_count,
+        default=None,
+        help="trainer slots: training runs resident at once (more runs are paged out, not "
+        "refused); default: sized from free memory on CUDA (docs/deploy.md), else 8",
+    )
+    parser.add_argument(
+        "--max-sample-rows",
+        type=_positive_count,
+        default=None,
+        help="sequences the sampler decodes at once (its KV row pool); default: sized from "
+        "free memory on CUDA, else 32",
+    )
+    parser.add_argument(
+        "--token-budget",
+        type=_positive_tokens,
+        default=None,
+        help="tokens per training micro-batch; default: sized from free memory on CUDA, else 4096",
     )
     parser.add_argument(
         "--warm-bytes",
@@ -408,7 +507,8 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
         type=_byte_count,
         default=None,
         help="KV of prompt prefixes the sampler keeps across requests (multi-turn, shared system "
-        "prompts); default: 512 tokens per sampler row; 0 turns the cache off",
+        "prompts); default: sized from free memory on CUDA, else 512 tokens per sampler row; "
+        "0 turns the cache off",
     )
     parser.add_argument("--max-lora-rank", type=int, default=32)
     parser.add_argument("--lora-alpha", type=float, default=32.0)
@@ -458,9 +558,23 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--trainer-device",
-        default="cpu",
+        default=None,
         choices=["cpu", "cuda"],
-        help="trainer ranks' device: cpu (gloo) or cuda (NCCL)",
+        help="trainer ranks' device: cpu (gloo) or cuda (NCCL); default: as --device",
+    )
+    parser.add_argument(
+        "--trainer-resource",
+        default=None,
+        metavar="NAME",
+        help="with --ray: place trainer ranks on the nodes that offer this Ray resource "
+        "(ray start --resources '{\"NAME\": 1}'), as a preference",
+    )
+    parser.add_argument(
+        "--sampler-resource",
+        default=None,
+        metavar="NAME",
+        help="with --ray: place sampler replicas on the nodes that offer this Ray resource, as a "
+        "preference (a replica whose node dies is replaced on any live node)",
     )
     _add_rollout_options(parser)
     parser.set_defaults(func=_cmd_serve)
@@ -535,6 +649,7 @@ def _cmd_rl(args: argparse.Namespace) -> int:
         dtype=_rollout_dtype(args.dtype, rollout),
         torch_threads=args.torch_threads,
         rollout=rollout,
+        device=args.device,
     )
     if config.rollout is not None and config.base_url:
         raise SystemExit(
@@ -606,6 +721,7 @@ def _register_rl(subparsers: argparse._SubParsersAction) -> None:
         "--api-key", action="append", help="tml-... key per tenant for --base-url (repeat)"
     )
     _add_dtype_option(parser, "embedded server's base model dtype")
+    _add_device_option(parser, "where the embedded server trains and samples")
     parser.add_argument("--torch-threads", type=int, default=None)
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (logs, CI)")
     _add_rollout_options(parser)
@@ -634,6 +750,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
             api_key=args.api_key,
             progress=not args.no_progress,
             dtype=args.dtype,
+            device=args.device,
         )
     )
     return 0
@@ -664,6 +781,7 @@ def _register_sft(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--api-key", default=None, help="tml-... key for --base-url")
     _add_dtype_option(parser, "embedded server's base model dtype")
+    _add_device_option(parser, "where the embedded server trains and samples")
     parser.add_argument("--no-progress", action="store_true")
     parser.set_defaults(func=_cmd_sft)
 

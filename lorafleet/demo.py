@@ -16,6 +16,7 @@ import torch
 
 from lorafleet.model.adapted import AdaptedModel
 from lorafleet.model.banks import AdapterSpec
+from lorafleet.model.kernel_check import prove_fused_kernel
 from lorafleet.model.loader import load_base
 from lorafleet.model.targets import resolve_tinker_targets
 from lorafleet.train.engine import TrainEngine, TrainItem
@@ -58,12 +59,17 @@ def _chat_item(tokenizer: Any, tenant: DemoTenant, slot: int) -> TrainItem:
     )
 
 
-def run_demo(base_model: str, *, dtype: str, steps: int, out_dir: Path) -> list[dict[str, float]]:
+def run_demo(
+    base_model: str, *, dtype: str, steps: int, out_dir: Path, device: str = "cpu"
+) -> list[dict[str, float]]:
     start = time.perf_counter()
-    base = load_base(base_model, dtype=dtype)
+    base = load_base(base_model, dtype=dtype, device=device)
     loaded_s = time.perf_counter() - start
     adapted = AdaptedModel(base.model, resolve_tinker_targets(base.model))
-    adapted.add_bank("train", num_slots=len(TENANTS) + 1, r_max=max(t.rank for t in TENANTS))
+    r_max = max(t.rank for t in TENANTS)
+    adapted.add_bank("train", num_slots=len(TENANTS) + 1, r_max=r_max)
+    # on CUDA the fused LoRA kernel runs only once it has matched the torch path here
+    adapted.kernel_verdict = prove_fused_kernel(adapted, r_max)
     engine = TrainEngine(adapted, base_model_id=base.model_id)
     slots = [
         engine.create_adapter(AdapterSpec(rank=t.rank, alpha=2.0 * t.rank, seed=i))
@@ -74,8 +80,8 @@ def run_demo(base_model: str, *, dtype: str, steps: int, out_dir: Path) -> list[
         s: AdamHParams(learning_rate=t.learning_rate) for t, s in zip(TENANTS, slots, strict=True)
     }
     print(
-        f"base {base.model_id} ({sum(p.numel() for p in base.model.parameters()) / 1e6:.1f}M params, {dtype}) "
-        f"loaded in {loaded_s:.1f}s; {len(adapted.layers)} layers carry banks"
+        f"base {base.model_id} ({sum(p.numel() for p in base.model.parameters()) / 1e6:.1f}M params, {dtype}, "
+        f"{device}) loaded in {loaded_s:.1f}s; {len(adapted.layers)} layers carry banks"
     )
     print(
         f"{len(TENANTS)} adapters: "

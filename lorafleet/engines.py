@@ -15,21 +15,36 @@ none of those needs to import another to be built.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from lorafleet.distributed.placement import DistConfig
 from lorafleet.interfaces import EngineSet
 from lorafleet.model.adapted import AdaptedModel
+from lorafleet.model.kernel_check import prove_fused_kernel
 from lorafleet.model.kernels import KernelName
 from lorafleet.model.loader import LoadedBase
+from lorafleet.model.memory import (
+    PLANNED,
+    MemoryInputs,
+    MemoryPlan,
+    bank_row_bytes,
+    device_memory,
+    kv_bytes_per_token,
+    plan_memory,
+    unplanned,
+)
+from lorafleet.sample.cuda_graphs import prove_decode_graphs
 from lorafleet.sample.engine import DEFAULT_MAX_ROWS, SampleEngine
 from lorafleet.sample.versions import VersionStore
 from lorafleet.sync.rollout_config import RolloutConfig
 from lorafleet.train.engine import DEFAULT_TOKEN_BUDGET, TrainEngine
+from lorafleet.train.token_budget import DecoderShape, activation_bytes_per_token
 
 if TYPE_CHECKING:
     from lorafleet.distributed.protocol import RankSettings
@@ -43,7 +58,11 @@ __all__ = [
     "RolloutConfig",
     "build_engines",
     "colocate",
+    "device_report",
+    "plan_engine_config",
 ]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -70,6 +89,15 @@ class EngineConfig:
     # per Ray sampler replica likewise; None = its default (a share of the row pool's KV),
     # 0 = off. vLLM/SGLang replicas keep their own.
     prefix_cache_bytes: int | None = None
+    # Where the colocated trainer, sampler, banks, KV and prefix caches live ("cpu" or
+    # "cuda:N", as lorafleet.hardware.resolve_device gives it); load_base puts the base there.
+    device: str = "cpu"
+    # Which of max_adapters, token_budget, max_sample_rows and prefix_cache_bytes are sized
+    # from the device's free memory (on CUDA, model/memory.py; the flags left unset); the
+    # others, and all of them on the CPU, are taken as given. `plan_engine_config` does it
+    # once and records what it decided in `memory_plan`.
+    memory_planned: frozenset[str] = frozenset()
+    memory_plan: MemoryPlan | None = None
 
 
 # --------------------------------------------------------------------------- colocated
@@ -101,11 +129,14 @@ def colocate(
     kernel: KernelName = "auto",
     token_budget: int = DEFAULT_TOKEN_BUDGET,
     prefix_cache_bytes: int | None = None,
+    decode_graphs: bool = True,
 ) -> Colocated:
     """Wraps `model` once; `train_slots`/`sample_slots` adapters (slot 0, the base, not counted).
 
     `copy_slot_from` needs both bank sets over the same layers with the same r_max; building
-    them here in one place keeps that invariant out of every caller."""
+    them here in one place keeps that invariant out of every caller. On CUDA the kernels are
+    proven before anything is served (`prove_kernels`); `decode_graphs` False keeps decode
+    eager even where replay would pass its check."""
     adapted = AdaptedModel(model, layer_paths, kernel=kernel)
     adapted.add_bank("train", num_slots=train_slots + 1, r_max=r_max)
     sample_bank = adapted.add_bank(
@@ -122,7 +153,123 @@ def colocate(
         max_rows=max_rows,
         prefix_cache_bytes=prefix_cache_bytes,
     )
+    prove_kernels(adapted, sampler, r_max, decode_graphs=decode_graphs)
     return Colocated(adapted=adapted, trainer=trainer, versions=versions, sampler=sampler)
+
+
+def prove_kernels(
+    adapted: AdaptedModel, sampler: SampleEngine | None, r_max: int, *, decode_graphs: bool = True
+) -> None:
+    """Start-up checks on the device the engines run on (no-ops on the CPU): the fused LoRA
+    kernel against the torch path (model/kernel_check.py), then CUDA-graph decode against
+    eager (sample/cuda_graphs.py). Each keeps the faster path only if it passes, and says why
+    in the stats (`device_report`)."""
+    adapted.kernel_verdict = prove_fused_kernel(adapted, r_max)
+    if sampler is not None and decode_graphs:
+        prove_decode_graphs(sampler)
+
+
+# --------------------------------------------------------------------------- the device
+
+
+def plan_engine_config(
+    config: EngineConfig,
+    base: LoadedBase,
+    targets: Sequence[str],
+    *,
+    memory: Callable[[], tuple[int, int]] | None = None,
+) -> EngineConfig:
+    """`config` with the sizes named in `memory_planned` taken from the device's free memory
+    (model/memory.py) and the decision recorded in `memory_plan`; done once (a planned config
+    comes back as it is). On the CPU, and with trainer ranks or Ray replicas (whose memory is
+    elsewhere), nothing is planned and the sizes stay as given. `memory` (free, total bytes)
+    replaces reading the CUDA device (tests)."""
+    if config.memory_plan is not None:
+        return config
+    unknown = sorted(config.memory_planned - PLANNED)
+    if unknown:
+        raise ValueError(f"cannot plan {unknown} from device memory; plannable: {sorted(PLANNED)}")
+    device = torch.device(config.device)
+    values = {
+        "max_adapters": config.max_adapters,
+        "token_budget": config.token_budget,
+        "max_sample_rows": config.max_sample_rows,
+        "prefix_cache_bytes": config.prefix_cache_bytes,
+    }
+    if config.dist is not None:
+        plan = unplanned(
+            str(device), values, "trainer ranks / Ray replicas: their memory is not this process's"
+        )
+        return replace(config, memory_plan=plan)
+    if memory is None and device.type != "cuda":
+        note = f"{device.type}: nothing planned (host memory is shared with the operating system)"
+        return replace(config, memory_plan=unplanned(str(device), values, note))
+    free, total = memory() if memory is not None else device_memory(device)
+    hf_config: Any = base.model.config
+    inputs = MemoryInputs(
+        free_bytes=free,
+        total_bytes=total,
+        row_bytes=bank_row_bytes(base.model, targets, config.max_lora_rank),
+        sampler_slots=config.sampler_slots,
+        kv_bytes_per_token=kv_bytes_per_token(hf_config, base.dtype),
+        train_bytes_per_token=activation_bytes_per_token(
+            DecoderShape.from_config(hf_config), base.dtype.itemsize
+        ),
+    )
+    given: dict[str, int] = {}
+    for name, value in values.items():
+        if name in config.memory_planned:
+            continue
+        if value is None:  # the prefix cache's own default: its bytes still count
+            rows = config.max_sample_rows + max(1, config.max_sample_rows // 16)
+            value = SampleEngine.default_prefix_cache_bytes(
+                hf_config.get_text_config(decoder=True), base.dtype, rows
+            )
+        given[name] = value
+    plan = plan_memory(str(device), inputs, given)
+    log.info(
+        "memory plan on %s (%.1f GiB free): %s",
+        device,
+        free / 2**30,
+        ", ".join(f"{k} {v} ({plan.sources[k]})" for k, v in plan.values.items()),
+    )
+    planned: dict[str, Any] = {name: plan.values[name] for name in config.memory_planned}
+    return replace(config, memory_plan=plan, **planned)
+
+
+def device_report(config: EngineConfig, engines: EngineSet) -> dict[str, Any]:
+    """The device the engines run on, as the server's stats show it: its name and memory now,
+    the memory plan, which LoRA kernel runs and whether decode replays CUDA graphs (each with
+    the reason), and the operations that ran out of memory."""
+    device = torch.device(config.device)
+    report: dict[str, Any] = {"device": str(device)}
+    if device.type == "cuda":
+        free, total = device_memory(device)
+        report.update(
+            name=torch.cuda.get_device_name(device),
+            total_bytes=total,
+            free_bytes=free,
+            allocated_bytes=int(torch.cuda.memory_allocated(device)),
+            reserved_bytes=int(torch.cuda.memory_reserved(device)),
+            peak_allocated_bytes=int(torch.cuda.max_memory_allocated(device)),
+        )
+    else:
+        from lorafleet.hardware import cpu_info
+
+        report["name"] = cpu_info().model
+    report["memory_plan"] = None if config.memory_plan is None else config.memory_plan.record()
+    trainer, sampler = engines.trainer, engines.sampler
+    # Ray trainer ranks: the node each runs on (distributed/ray_trainer.py)
+    report["trainer_nodes"] = getattr(getattr(trainer, "client", None), "nodes", None)
+    verdict = trainer.adapted.kernel_verdict if isinstance(trainer, TrainEngine) else None
+    report["lora_kernel"] = None if verdict is None else verdict.record()
+    if isinstance(sampler, SampleEngine):
+        report["cuda_graphs"] = sampler.decode_graph_stats()
+        report["sampler_out_of_memory_failures"] = sampler.out_of_memory_failures
+        report["prefix_cache_out_of_memory_skips"] = sampler.prefix_cache_oom_skips
+    else:
+        report["cuda_graphs"] = None
+    return report
 
 
 # --------------------------------------------------------------------------- the factory
@@ -133,6 +280,8 @@ def build_engines(config: EngineConfig, base: LoadedBase, targets: Sequence[str]
 
     The caller loads the base and resolves the targets: it also needs the base's own modules
     (e.g. to resolve other target sets) before the engines wrap them."""
+    config = plan_engine_config(config, base, targets)
+    _check_on_device(config, base)
     if config.rollout is not None and config.rollout.external:
         return _rollout_engines(config, config.rollout, base, targets)
     if config.dist is None:
@@ -152,6 +301,20 @@ def build_engines(config: EngineConfig, base: LoadedBase, targets: Sequence[str]
     if config.dist.ray is None:
         return _torchrun_engines(config, config.dist, base, targets)
     return _ray_engines(config, config.dist, base, targets)
+
+
+def _check_on_device(config: EngineConfig, base: LoadedBase) -> None:
+    """The base must already be where the config says (load_base(device=...)): the banks,
+    caches and optimizer state are made on the device of its weights."""
+    where = {p.device for p in base.model.parameters()}
+    want = torch.device(config.device)
+    if any(
+        d.type != want.type or (want.index is not None and d.index != want.index) for d in where
+    ):
+        raise ValueError(
+            f"the engine config says device {config.device} but the base model's weights are on "
+            f"{sorted(str(d) for d in where)}; load it with load_base(..., device={config.device!r})"
+        )
 
 
 def _rollout_engines(
@@ -176,6 +339,7 @@ def _rollout_engines(
         r_max=config.max_lora_rank,
         max_rows=config.max_sample_rows,
         token_budget=config.token_budget,
+        decode_graphs=False,  # kept for its request limits only: vLLM/SGLang sample
     )
     pool = build_pool(
         rollout,
@@ -244,6 +408,7 @@ def _torchrun_engines(
         max_rows=config.max_sample_rows,
         prefix_cache_bytes=config.prefix_cache_bytes,
     )
+    prove_kernels(adapted, sampler, config.max_lora_rank)
     return EngineSet(trainer=trainer, sampler=sampler, owned=(trainer,))
 
 
@@ -256,7 +421,13 @@ def _ray_engines(
     from lorafleet.distributed.remote import DistTrainEngine
 
     connect(dist.ray or "local", num_cpus=dist.ray_num_cpus)
-    trainer = DistTrainEngine(RayRanks(_rank_settings(config, dist, targets), dist.trainer_ranks))
+    trainer = DistTrainEngine(
+        RayRanks(
+            _rank_settings(config, dist, targets),
+            dist.trainer_ranks,
+            node_resource=dist.trainer_resource,
+        )
+    )
     _check_same_base(trainer, base.model_id)
     try:
         pool = RaySamplerPool(
@@ -273,6 +444,7 @@ def _ray_engines(
             ),
             dist.sampler_replicas,
             trainer=trainer,
+            node_resource=dist.sampler_resource,
         )
     except BaseException:
         trainer.close()

@@ -16,10 +16,11 @@ from __future__ import annotations
 import functools
 import os
 import platform
+import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -179,10 +180,12 @@ def choose_dtype(
     everywhere else."""
     device = torch.device(device)
     if device.type == "cuda":
-        if torch.cuda.is_bf16_supported():
-            name = torch.cuda.get_device_name(device)
+        # The device's own capability (not the current device's), and native only: torch's
+        # is_bf16_supported() also says yes where bf16 is emulated (before Ampere, sm_80).
+        name = torch.cuda.get_device_name(device)
+        if torch.cuda.get_device_capability(device) >= (8, 0):
             return DtypeChoice("bfloat16", f"auto: {name} multiplies bf16 natively", auto=True)
-        return DtypeChoice("float32", "auto: this CUDA device has no native bf16", auto=True)
+        return DtypeChoice("float32", f"auto: {name} has no native bf16 (before sm_80)", auto=True)
     if device.type != "cpu":
         return DtypeChoice("float32", f"auto: no bf16 rule for {device.type} devices", auto=True)
     info = info or cpu_info()
@@ -247,3 +250,132 @@ def resolve_dtype(value: str | torch.dtype, device: str | torch.device = "cpu") 
     if name == "auto":
         return _auto_dtype(str(torch.device(device)))
     return DtypeChoice(name, "given explicitly", auto=False)
+
+
+# --------------------------------------------------------------------------- the device
+
+DEVICE_HELP = "auto (the first CUDA device when there is one, else the CPU), cpu, cuda or cuda:N"
+_DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda)(?::(\d+))?$")
+
+
+class DeviceUnavailableError(ValueError):
+    """The device asked for is not on this machine (a user error: the commands exit 2 with
+    its message, before loading or writing anything)."""
+
+
+@dataclass(frozen=True)
+class DeviceChoice:
+    """Where the colocated engines run and what that device is: printed at start-up, written
+    to config.json, to every benchmark's JSON and to the server's stats."""
+
+    device: str  # "cpu" or "cuda:N": what torch.device() takes
+    requested: str  # what was asked: auto, cpu, cuda or cuda:N
+    name: str  # the GPU's name, or the CPU's model
+    total_bytes: int | None  # the device's memory (the host's for the CPU)
+    free_bytes: int | None  # free when it was chosen (MemAvailable for the CPU)
+    reason: str
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    def record(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def describe(self) -> str:
+        """One line: `cuda:0 (NVIDIA H200, 139.7 GiB, 139.1 GiB free; auto: ...)`."""
+        memory = ""
+        if self.total_bytes is not None:
+            memory = f", {self.total_bytes / 2**30:.1f} GiB"
+            if self.free_bytes is not None:
+                memory += f", {self.free_bytes / 2**30:.1f} GiB free"
+        return f"{self.device} ({self.name}{memory}; {self.reason})"
+
+
+class CudaProbe(Protocol):
+    """What `resolve_device` asks torch about CUDA (a seam: tests describe any machine)."""
+
+    def built_with_cuda(self) -> str | None: ...  # torch.version.cuda
+
+    def device_count(self) -> int: ...
+
+    def device_name(self, index: int) -> str: ...
+
+    def memory(self, index: int) -> tuple[int, int]: ...  # (free, total) bytes
+
+
+class TorchCuda:
+    """The real `CudaProbe`. `device_count` does not create a CUDA context; `memory` does,
+    on that device only (mem_get_info), once it has been chosen."""
+
+    def built_with_cuda(self) -> str | None:
+        return torch.version.cuda
+
+    def device_count(self) -> int:
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+    def device_name(self, index: int) -> str:
+        return torch.cuda.get_device_name(index)
+
+    def memory(self, index: int) -> tuple[int, int]:
+        free, total = torch.cuda.mem_get_info(index)
+        return int(free), int(total)
+
+
+def parse_device(value: str) -> str:
+    """`value` as `auto`, `cpu`, `cuda` or `cuda:N`; ValueError naming `--device` otherwise."""
+    text = value.strip().lower() if isinstance(value, str) else ""
+    match = _DEVICE_PATTERN.match(text)
+    if match is None or (match.group(1) != "cuda" and match.group(2) is not None):
+        raise ValueError(f"--device {value!r} is not one of: {DEVICE_HELP}")
+    return text
+
+
+def host_memory() -> tuple[int | None, int | None]:
+    """(available, total) bytes of host memory from /proc/meminfo; None where unreadable."""
+    values: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("MemTotal", "MemAvailable"):
+                    values[key] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None, None
+    return values.get("MemAvailable"), values.get("MemTotal")
+
+
+def _found(cuda: CudaProbe) -> str:
+    """What this machine has, for the refusal message."""
+    built = cuda.built_with_cuda()
+    if built is None:
+        return f"this torch ({torch.__version__}) is a CPU-only build, without CUDA"
+    count = cuda.device_count()
+    if count == 0:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        hint = f", CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else ""
+        return f"torch {torch.__version__} (CUDA {built}) sees no CUDA device{hint}"
+    names = ", ".join(f"cuda:{i} {cuda.device_name(i)}" for i in range(count))
+    return f"{count} CUDA device(s): {names}"
+
+
+def resolve_device(value: str, *, cuda: CudaProbe | None = None) -> DeviceChoice:
+    """`--device` resolved on this machine: `auto` is cuda:0 when torch sees a CUDA device,
+    else the CPU; `cuda` is cuda:0. Raises DeviceUnavailableError naming what was found when
+    a CUDA device is asked for and absent. Touches no model: callers resolve the device first,
+    so that a refusal comes before anything is loaded or written."""
+    requested = parse_device(value)
+    cuda = cuda or TorchCuda()
+    count = cuda.device_count() if requested != "cpu" else 0
+    if requested == "cpu" or (requested == "auto" and count == 0):
+        available, total = host_memory()
+        reason = "given explicitly" if requested == "cpu" else "auto: no CUDA device"
+        return DeviceChoice("cpu", requested, cpu_info().model, total, available, reason)
+    index = int(requested.partition(":")[2] or 0)
+    if index >= count:
+        raise DeviceUnavailableError(
+            f"--device {requested}: no such CUDA device here; found {_found(cuda)}"
+        )
+    free, total = cuda.memory(index)
+    reason = "auto: the first CUDA device" if requested == "auto" else "given explicitly"
+    return DeviceChoice(f"cuda:{index}", requested, cuda.device_name(index), total, free, reason)

@@ -295,12 +295,15 @@ def test_decode_replayed_from_cuda_graphs_equals_eager(bf16_stack):
         requests.append(
             SampleRequest(_prompt(100 + i, 2 + i % 6), params, adapter=adapters[i % len(adapters)])
         )
+    proven = stack.sampler.decode_graphs  # on by default: colocate checked it at start-up
+    assert proven is not None, stack.sampler.graph_state
+    stack.sampler.decode_graphs = None
     eager = stack.sampler.generate(requests)
     graphs = cuda_graphs.enable(stack.sampler)
     try:
         replayed = stack.sampler.generate(requests)
     finally:
-        stack.sampler.decode_graphs = None
+        stack.sampler.decode_graphs = proven
     assert graphs.fused and graphs.captures >= 2 and graphs.replays > 0, graphs.eager_steps
     for a, b in zip(eager, replayed, strict=True):
         assert a.ok and b.ok
@@ -311,3 +314,124 @@ def test_decode_replayed_from_cuda_graphs_equals_eager(bf16_stack):
             atol=2e-2,
             rtol=0,
         )
+
+
+# ----------------------------------------------------------------- issue 33: the whole stack
+
+
+@cuda_only
+def test_the_engines_prove_the_fused_kernel_and_graph_decode_at_start_up(bf16_stack):
+    """colocate on CUDA: the fused kernel passed its check against the torch path on every
+    layer shape, and decode replays graphs after capture and replay-equals-eager."""
+    stack, _ = bf16_stack
+    verdict = stack.adapted.kernel_verdict
+    assert verdict is not None and verdict.checked and verdict.fused, verdict
+    assert max(verdict.max_errors.values()) <= 3e-2
+    state = stack.sampler.graph_state
+    assert state.enabled and state.checked and state.fallbacks == 0, state
+    assert stack.sampler.decode_graphs is not None and stack.sampler.decode_graphs.captures >= 1
+
+
+@cuda_only
+def test_a_failing_fused_kernel_on_the_device_falls_back_to_grouped_mm():
+    from lorafleet.model.kernel_check import prove_fused_kernel
+
+    def wrong(out, x, A, B, routing):
+        from lorafleet.model.triton_lora import add_routed_lora
+
+        return add_routed_lora(out, x, A * 1.1, B, routing)
+
+    model = tiny_qwen3().to(device=DEVICE, dtype=torch.bfloat16)
+    from lorafleet.model.adapted import AdaptedModel
+
+    adapted = AdaptedModel(model, resolve_tinker_targets(model))
+    adapted.add_bank("train", num_slots=3, r_max=8)
+    verdict = prove_fused_kernel(adapted, 8, fused=wrong)
+    assert verdict.kernel == "torch" and not verdict.fused and "differs" in verdict.reason
+    layer = next(iter(adapted.layers.values()))
+    probe = torch.zeros(1, 4, device=DEVICE, dtype=torch.bfloat16)
+    from lorafleet.model.kernels import _fused_applies
+
+    assert not _fused_applies(layer.kernel, probe, adapted.bank("train").params)
+
+
+def _cap_device_memory(headroom: int) -> int:
+    """Caps this process's CUDA allocator at what it holds now plus `headroom` bytes (cached
+    blocks given back first, so new work needs new device memory); returns the bytes in use.
+    The caller lifts the cap (set_per_process_memory_fraction(1.0))."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    held = torch.cuda.memory_allocated()
+    _free, total = torch.cuda.mem_get_info()
+    torch.cuda.set_per_process_memory_fraction(
+        min(1.0, (torch.cuda.memory_reserved() + headroom) / total)
+    )
+    return held
+
+
+@cuda_only
+def test_a_real_device_oom_fails_the_call_frees_what_it_took_and_training_goes_on():
+    """The allocator capped a little above what the stack holds: a large call runs out of
+    device memory for real. It fails alone (DeviceOutOfMemory), the gradient is as before,
+    the memory is back, and with the cap lifted the same engine trains on."""
+    from lorafleet.model.memory import DeviceOutOfMemory
+
+    stack = _stack(torch.float32, DEVICE)
+    slot = _adapter(stack, 1)
+    stack.trainer.forward_backward([_sft(slot, 1, 9)])
+    grads = stack.trainer.bank.grads
+    assert grads is not None
+    before = grads.clone()
+    held = _cap_device_memory(headroom=8 << 20)
+    big = [_sft(slot, 100 + i, 250) for i in range(64)]  # 16k tokens, several micro-batches
+    try:
+        with pytest.raises(DeviceOutOfMemory, match="out of memory on cuda"):
+            stack.trainer.forward_backward(big)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    assert torch.equal(grads, before)
+    assert torch.cuda.memory_allocated() - held < (4 << 20)
+    out = stack.trainer.forward_backward([_sft(slot, 2, 9)])
+    assert out.items[0].logprobs.isfinite().all()
+
+
+@cuda_only
+def test_a_real_device_oom_in_a_prefill_fails_that_request_and_sampling_goes_on(bf16_stack):
+    stack, keys = bf16_stack
+    sampler = stack.sampler
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, stop=[])
+    small = SampleRequest(_prompt(1, 5), greedy, adapter=keys[0][1])
+    (alone,) = sampler.generate([small])
+    huge = SampleRequest(_prompt(2, 250), greedy, adapter=keys[1][1], num_samples=32)
+    _cap_device_memory(headroom=0)  # its KV for 250 columns needs new device memory
+    try:
+        futures = sampler.submit([huge])
+        while not all(f.done() for f in futures):
+            sampler.step()
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    failed = futures[0].result()
+    assert failed.error is not None and failed.error.code == "out_of_memory", failed.error
+    (again,) = sampler.generate([small])
+    assert again.ok and again.sequences[0].tokens == alone.sequences[0].tokens
+
+
+@cuda_only
+def test_sizes_planned_from_the_device_build_and_run():
+    from lorafleet.engines import EngineConfig, build_engines, plan_engine_config
+    from lorafleet.model.loader import load_base
+    from lorafleet.model.memory import PLANNED
+
+    base = load_base("tiny-qwen3", dtype="bfloat16", device=DEVICE)
+    targets = resolve_tinker_targets(base.model)
+    config = EngineConfig(
+        base_model="tiny-qwen3", device=DEVICE, max_lora_rank=8, memory_planned=PLANNED
+    )
+    planned = plan_engine_config(config, base, targets)
+    plan = planned.memory_plan
+    assert plan is not None and plan.planned and plan.free_bytes is not None
+    assert set(plan.sources.values()) == {"planned"}
+    assert sum(plan.costs.values()) <= plan.usable_bytes
+    engines = build_engines(planned, base, targets)
+    assert engines.trainer.bank.num_slots == planned.max_adapters + 1
+    assert engines.sampler.max_rows == planned.max_sample_rows

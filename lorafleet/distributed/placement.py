@@ -21,6 +21,11 @@ class DistConfig:
     torch_threads: int | None = None  # per rank / replica
     ray_num_cpus: int | None = None  # only for ray="local"
     collective_timeout_s: float = 600.0
+    # Ray custom resources that mark the nodes trainer ranks / sampler replicas should run on
+    # (`ray start --resources '{"NAME": 1}'`): a preference, not a requirement, so a replica
+    # whose node died is replaced on a live node (distributed/ray_cluster.py)
+    trainer_resource: str | None = None
+    sampler_resource: str | None = None
 
     def validate(self) -> None:
         for name, value in (
@@ -37,3 +42,10 @@ class DistConfig:
             )
         if self.ray is not None and not self.ray:
             raise ValueError("ray must be an address, 'auto' or 'local'")
+        for name in ("trainer_resource", "sampler_resource"):
+            value = getattr(self, name)
+            if value is not None:
+                if self.ray is None:
+                    raise ValueError(f"{name} places Ray actors; it needs Ray placement (--ray)")
+                if not isinstance(value, str) or not value.strip():
+                    raise ValueError(f"{name} must be a Ray resource name, got {value!r}")

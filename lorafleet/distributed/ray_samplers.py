@@ -30,7 +30,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 from dataclasses import dataclass, field
@@ -53,7 +53,7 @@ from lorafleet.canary import (
     layers_are_zero,
     tolerance_for,
 )
-from lorafleet.distributed.ray_cluster import ray_module
+from lorafleet.distributed.ray_cluster import placement_options, ray_module
 from lorafleet.distributed.ray_trainer import RayRanks
 from lorafleet.distributed.remote import DistTrainEngine
 from lorafleet.distributed.wire import Payload, WirePayload, from_wire, to_wire
@@ -124,7 +124,9 @@ class SamplerReplica:
 
     def __init__(self, settings: SamplerSettings, index: int):
         from lorafleet.model.adapted import AdaptedModel
+        from lorafleet.model.kernel_check import prove_fused_kernel
         from lorafleet.model.loader import load_base
+        from lorafleet.sample.cuda_graphs import prove_decode_graphs
         from lorafleet.sample.engine import SampleEngine
         from lorafleet.sample.versions import VersionStore
 
@@ -148,6 +150,9 @@ class SamplerReplica:
             max_rows=settings.max_rows,
             prefix_cache_bytes=settings.prefix_cache_bytes,
         )
+        # on CUDA: the fused kernel and graph decode only once they passed their checks here
+        adapted.kernel_verdict = prove_fused_kernel(adapted, settings.r_max)
+        prove_decode_graphs(self.engine)
         # versions received and not dropped (resident or evicted)
         self._keys: set[VersionKey] = set()
         self._load_lock = threading.Lock()
@@ -155,12 +160,15 @@ class SamplerReplica:
         self._base_logprobs: dict[tuple[int, ...], torch.Tensor] = {}
 
     def ready(self) -> dict[str, Any]:
+        from lorafleet.distributed.ray_cluster import current_node
+
         return {
             "limits": self.engine.limits,
             "dtype": self.engine.dtype,
             "base_model_id": self.base_model_id,
             "pid": os.getpid(),
             "check": self.check(),
+            **current_node(),
         }
 
     def check(self) -> ReplicaCheck:
@@ -262,6 +270,7 @@ class _Replica:
     versions: set[VersionKey] = field(default_factory=set)
     changes: int = 0
     last_canary: CanaryRecord | None = None
+    node: dict[str, Any] | None = None  # where it runs: node_id, node_ip, pid (from `ready`)
 
     @property
     def name(self) -> str:
@@ -585,6 +594,10 @@ class RayVersionStore:
         return tolerance_for(self._pool.dtype, same_implementation=True)
 
 
+def _node_of(info: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: info.get(k) for k in ("node_id", "node_ip", "pid")}
+
+
 def _replica_logprobs(handle: Any, key: VersionKey, tokens: list[int]) -> ReplicaLogprobs:
     served, base = ray_module().get(handle.canary_logprobs.remote(key, tokens))
     return ReplicaLogprobs(served, base)
@@ -610,11 +623,15 @@ class RaySamplerPool:
         verify: bool = True,
         restart_timeout_s: float = 600.0,
         health_interval_s: float = 5.0,
+        node_resource: str | None = None,
     ):
+        """`node_resource`: prefer the nodes offering this Ray resource, at start and when a
+        replica is replaced (ray_cluster.py)."""
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
             raise ValueError(f"sampler replicas must be a positive integer, got {replicas!r}")
         ray = ray_module()
         self.settings = settings
+        self.node_resource = node_resource
         self.restart_timeout_s = restart_timeout_s
         self.lock = threading.RLock()  # replica states, and the version catalogue with them
         self._ready = threading.Condition(self.lock)
@@ -630,12 +647,9 @@ class RaySamplerPool:
             options.setdefault("num_gpus", 1)
         # liveness checks run on a thread of their own in each actor: a replica busy with a
         # batch still answers one (its other methods keep running one at a time)
-        self._actor_class = ray.remote(concurrency_groups={HEALTH_GROUP: 1})(
-            SamplerReplica
-        ).options(max_restarts=0, **options)
-        self._replicas = [
-            _Replica(i, self._actor_class.remote(settings, i)) for i in range(replicas)
-        ]
+        self._actor_class = ray.remote(concurrency_groups={HEALTH_GROUP: 1})(SamplerReplica)
+        self._actor_options = {"max_restarts": 0, **options}
+        self._replicas = [_Replica(i, self._new_actor(i)) for i in range(replicas)]
         try:
             ready = ray.get([r.handle.ready.remote() for r in self._replicas])
         except BaseException:
@@ -643,6 +657,7 @@ class RaySamplerPool:
             raise
         for replica, answer in zip(self._replicas, ready, strict=True):
             replica.answered(answer["check"], replica.changes)
+            replica.node = _node_of(answer)
         self.limits: ModelLimits = ready[0]["limits"]
         self.dtype: torch.dtype = ready[0]["dtype"]
         self.base_model_id: str = ready[0]["base_model_id"]
@@ -653,6 +668,11 @@ class RaySamplerPool:
                 name="lorafleet-replica-health",
                 daemon=True,
             ).start()
+
+    def _new_actor(self, index: int) -> Any:
+        """A replica actor, placed on a live node offering `node_resource` when one does."""
+        options = {**self._actor_options, **placement_options(self.node_resource, index)}
+        return self._actor_class.options(**options).remote(self.settings, index)
 
     # ================================================================ versions on every replica
     def load_everywhere(self, entry: _Entry, source: Any) -> None:
@@ -739,8 +759,14 @@ class RaySamplerPool:
             if self._closed or replica.state != "ready" or replica.incarnation != incarnation:
                 return  # already being replaced
             replica.state = "restarting"
-            replica.error = reason
-            log.warning("sampler replica %d failed (%s); replacing it", replica.index, reason)
+            node = (replica.node or {}).get("node_id", "?")
+            replica.error = f"{reason} (on node {node})"
+            log.warning(
+                "sampler replica %d (node %s) failed (%s); replacing it",
+                replica.index,
+                node,
+                reason,
+            )
         threading.Thread(
             target=self._restart,
             args=(replica,),
@@ -754,12 +780,12 @@ class RaySamplerPool:
             ray.kill(replica.handle, no_restart=True)
         deadline = time.monotonic() + self.restart_timeout_s
         while time.monotonic() < deadline and not self._closed:
-            handle = self._actor_class.remote(self.settings, replica.index)
+            handle = self._new_actor(replica.index)  # on a live node: the old one may be gone
             try:
                 ready = ray.get(
                     handle.ready.remote(), timeout=max(1.0, deadline - time.monotonic())
                 )
-                self._resync(replica, handle, ready["check"])
+                self._resync(replica, handle, ready["check"], _node_of(ready))
             except (ray.exceptions.RayError, SyncVerificationError, OSError, ValueError) as exc:
                 log.warning("sampler replica %d: restart failed (%s); retrying", replica.index, exc)
                 with self.lock:
@@ -778,7 +804,9 @@ class RaySamplerPool:
             self._ready.notify_all()
         log.error("sampler replica %d could not be restarted", replica.index)
 
-    def _resync(self, replica: _Replica, handle: Any, check: ReplicaCheck) -> None:
+    def _resync(
+        self, replica: _Replica, handle: Any, check: ReplicaCheck, node: dict[str, Any]
+    ) -> None:
         """Loads every version the store serves, then puts the replica back in rotation;
         versions published meanwhile are caught by the loop (the last check and the switch are
         atomic). `check`: the new actor's first answer."""
@@ -800,6 +828,7 @@ class RaySamplerPool:
                     replica.restarts += 1
                     replica.answered(check, replica.changes)
                     replica.versions = held & current
+                    replica.node = node
                     self.restarts += 1
                     self._ready.notify_all()
                     break
@@ -1006,6 +1035,7 @@ class RaySamplerPool:
                     last_canary=r.last_canary,
                     restarts=r.restarts,
                     error=r.error,
+                    node=r.node,
                 )
                 for r in self._replicas
             )

@@ -17,7 +17,7 @@ from typing import Any
 
 from lorafleet.distributed.fsdp import DistError
 from lorafleet.distributed.protocol import LOCAL_COMMANDS, RankSettings, Reply, command, dumps
-from lorafleet.distributed.ray_cluster import ray_module
+from lorafleet.distributed.ray_cluster import placement_options, ray_module
 from lorafleet.distributed.wire import WirePayload, to_wire
 
 log = logging.getLogger(__name__)
@@ -30,6 +30,11 @@ class TrainerRankActor:
         self.rank = rank
         self.world = world
         self.worker: Any = None
+
+    def node(self) -> dict[str, str]:
+        from lorafleet.distributed.ray_cluster import current_node
+
+        return current_node()
 
     def address(self) -> tuple[str, int]:
         """This node's address and a free port on it, for the group's rendezvous."""
@@ -71,8 +76,14 @@ class RayRanks:
     """Trainer ranks as Ray actors; same `call` interface as the torchrun launcher."""
 
     def __init__(
-        self, settings: RankSettings, nproc: int, *, actor_options: dict[str, Any] | None = None
+        self,
+        settings: RankSettings,
+        nproc: int,
+        *,
+        actor_options: dict[str, Any] | None = None,
+        node_resource: str | None = None,
     ):
+        """`node_resource`: prefer the nodes offering this Ray resource (ray_cluster.py)."""
         settings.validate()
         if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
             raise ValueError(f"trainer ranks must be a positive integer, got {nproc!r}")
@@ -80,9 +91,15 @@ class RayRanks:
         options = dict(actor_options or {})
         if settings.device == "cuda":
             options.setdefault("num_gpus", 1)
-        actor_class = ray.remote(TrainerRankActor).options(max_restarts=0, **options)
-        self.actors = [actor_class.remote(rank, nproc) for rank in range(nproc)]
+        actor_class = ray.remote(TrainerRankActor)
+        self.actors = [
+            actor_class.options(
+                max_restarts=0, **options, **placement_options(node_resource, rank)
+            ).remote(rank, nproc)
+            for rank in range(nproc)
+        ]
         try:
+            self.nodes: list[dict[str, str]] = ray.get([a.node.remote() for a in self.actors])
             addr, port = ray.get(self.actors[0].address.remote())
             replies = ray.get([actor.setup.remote(settings, addr, port) for actor in self.actors])
             failed = [r for r in replies if not r.ok]

@@ -29,6 +29,7 @@ from lorafleet.distributed.fsdp import ShardedTrainer, ShardingConfig, shard_bas
 from lorafleet.distributed.protocol import LOCAL_COMMANDS, RankSettings, Reply, dumps, recv, send
 from lorafleet.model.adapted import AdaptedModel
 from lorafleet.model.banks import layer_experts
+from lorafleet.model.kernel_check import prove_fused_kernel
 from lorafleet.model.loader import load_base, parse_dtype
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,8 @@ class RankWorker:
         adapted = AdaptedModel(base.model, settings.targets)
         shard_base(base.model, mesh, ShardingConfig(param_dtype=parse_dtype(settings.dtype)))
         adapted.add_bank("train", num_slots=settings.num_slots, r_max=settings.r_max)
+        # on CUDA the fused LoRA kernel runs only once it matched the torch path on this GPU
+        adapted.kernel_verdict = prove_fused_kernel(adapted, settings.r_max)
         self.trainer = ShardedTrainer(
             adapted,
             base_model_id=base.model_id,
@@ -82,6 +85,7 @@ class RankWorker:
             "base_model_id": base.model_id,
             "world": self.world,
             "device": str(bank.params.device),
+            "lora_kernel": adapted.kernel_verdict.reason,
             "dtype": settings.dtype,
             "num_slots": bank.num_slots,
             "r_max": bank.r_max,

@@ -18,6 +18,7 @@ from torch import nn
 
 from lorafleet.model.banks import BankError, BankSet, LoRALinear
 from lorafleet.model.experts import ExpertProjection, ExpertsError, LoRAExperts, fused_expert_params
+from lorafleet.model.kernel_check import KernelVerdict
 from lorafleet.model.kernels import KERNELS, KernelName
 from lorafleet.model.routing import Routing, RoutingError, RoutingScope, build_routing
 from lorafleet.model.targets import TargetError, linear_layers
@@ -79,6 +80,8 @@ class AdaptedModel:
         self.input_groups = (
             probe_input_groups(model, self.layers, self.scope) if share_inputs else []
         )
+        # which LoRA kernel runs and why, once the start-up check ran (kernel_check.py)
+        self.kernel_verdict: KernelVerdict | None = None
 
     def _wrap_experts(
         self, model: nn.Module, module_path: str, targets: dict[str, list[str]], kernel: KernelName

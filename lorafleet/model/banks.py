@@ -55,6 +55,7 @@ if TYPE_CHECKING:
 warnings.filterwarnings("ignore", message="grad and param do not obey the gradient layout contract")
 
 _ALIGN = 8  # elements; keeps every view 32-byte aligned, as grouped_mm needs 16-byte strides
+ALIGN_ELEMENTS = _ALIGN  # (memory.py sizes a row before a bank exists)
 
 
 def _round_up(value: int, multiple: int) -> int:

@@ -32,7 +32,9 @@ Kernel names: `auto` = native when it applies and is built, the fused Triton ker
 when triton is importable, else grouped (loop when the shapes do not fit grouped_mm);
 `native` = the same, but a missing native library is an error; `triton` = the fused kernel
 for every plain linear (an error where it cannot run; MoE experts keep the torch path);
-`grouped` / `loop` = torch only.
+`torch` = grouped where the shapes fit, else loop, never native or fused (what `auto` becomes
+on CUDA when the fused kernel fails its start-up check, kernel_check.py);
+`grouped` / `loop` = torch only, that one.
 
 Never gather per-token weight matrices (`A[slot_ids]`): far slower than segments (figure:
 docs/performance.md).
@@ -49,8 +51,8 @@ import torch
 from lorafleet.model import native
 from lorafleet.model.routing import Routing
 
-KernelName = Literal["auto", "grouped", "loop", "native", "triton"]
-KERNELS: tuple[str, ...] = ("auto", "grouped", "loop", "native", "triton")
+KernelName = Literal["auto", "grouped", "loop", "native", "torch", "triton"]
+KERNELS: tuple[str, ...] = ("auto", "grouped", "loop", "native", "torch", "triton")
 
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -96,7 +98,7 @@ def pick_kernel(
             f"kernel 'grouped' cannot run dtype {dtype} with in={in_features}, rank={rank}, "
             f"out={out_features}: every row must be a multiple of 16 bytes"
         )
-    if kernel in ("auto", "native", "triton"):
+    if kernel in ("auto", "native", "torch", "triton"):
         # (`triton` fuses whole plain linears in add_lora_fused; what reaches the two-call
         # path with it, MoE experts, runs as `auto` does.)
         return "grouped" if fits else "loop"

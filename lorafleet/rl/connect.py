@@ -20,7 +20,13 @@ from typing import TYPE_CHECKING, Any
 import tinker
 
 from lorafleet.fsio import atomic_directory, atomic_write_json, ensure_private_dir
-from lorafleet.hardware import DtypeChoice, resolve_dtype
+from lorafleet.hardware import (
+    DeviceChoice,
+    DtypeChoice,
+    parse_device,
+    resolve_device,
+    resolve_dtype,
+)
 
 if TYPE_CHECKING:
     from lorafleet.engines import RolloutConfig
@@ -77,12 +83,27 @@ def tenant_keys(run_dir: Path, names: list[str], given: list[str] | None) -> dic
     return {n: keys[n] for n in names}
 
 
-def embedded_dtype(value: str, base_url: str | None) -> DtypeChoice:
-    """The embedded server's base dtype (`auto` resolved for this machine and printed with its
+def embedded_device(value: str, base_url: str | None) -> DeviceChoice:
+    """Where the embedded server runs (`--device` resolved and printed with the device's name
+    and memory); raises DeviceUnavailableError for a CUDA device that is not here, so callers
+    resolve it before writing anything. With `base_url` the remote server decides, and the
+    value is only recorded."""
+    if base_url:
+        requested = parse_device(value)
+        return DeviceChoice(
+            requested, requested, "remote", None, None, f"not used: the engines run on {base_url}"
+        )
+    choice = resolve_device(value)
+    print(f"lorafleet: device {choice.describe()}", file=sys.stderr)
+    return choice
+
+
+def embedded_dtype(value: str, base_url: str | None, device: str = "cpu") -> DtypeChoice:
+    """The embedded server's base dtype (`auto` resolved for `device` and printed with its
     reason); with `base_url` the remote server decides, and the value is only recorded."""
     if base_url:
         return DtypeChoice(value, f"not used: the base model runs on {base_url}", auto=False)
-    choice = resolve_dtype(value)
+    choice = resolve_dtype(value, device)
     print(f"lorafleet: dtype {choice.dtype} ({choice.reason})", file=sys.stderr)
     return choice
 
@@ -99,6 +120,7 @@ def start_backend(
     torch_threads: int | None = None,
     max_sample_rows: int = 64,
     rollout: RolloutConfig | None = None,
+    device: str = "cpu",
 ) -> Backend:
     """Starts the embedded server on a free loopback port unless `base_url` is given."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -124,6 +146,9 @@ def start_backend(
         max_lora_rank=max_rank,
         max_sample_rows=max_sample_rows,
         rollout=rollout,
+        device=device,
+        # on CUDA the trainer's micro-batches and the prefix cache follow the free memory
+        memory_planned=frozenset({"token_budget", "prefix_cache_bytes"}),
     )
     config = ServerConfig(
         base_model=base_model,

@@ -25,6 +25,7 @@ from tinker import types
 from lorafleet.fsio import atomic_write_json, ensure_private_dir, safe_name
 from lorafleet.rl.connect import (
     Backend,
+    embedded_device,
     embedded_dtype,
     export_adapter,
     load_tokenizer,
@@ -100,6 +101,9 @@ class RLConfig:
     # what samples inside the embedded server (None: its own sampler); vLLM needs fp32 or
     # bf16 and the canary is exact only in fp32 (docs/rollout_engines.md)
     rollout: RolloutConfig | None = None
+    # where the embedded server runs: auto (the first CUDA device, else the CPU), cpu, cuda,
+    # cuda:N (lorafleet.hardware.resolve_device)
+    device: str = "auto"
 
 
 @dataclass
@@ -332,6 +336,8 @@ def run_rl(config: RLConfig, *, on_step: StepHook | None = None) -> dict[str, Te
         tenant.validate()
     if config.steps < 1 or config.save_every < 1:
         raise ValueError("--steps and --save-every must be >= 1")
+    # before anything is written: a missing CUDA device is refused here
+    device = embedded_device(config.device, config.base_url)
     run_dir = ensure_private_dir(config.run_dir)
     if not config.resume:
         taken = [n for n in names if (run_dir / n / "state.json").exists()]
@@ -339,8 +345,8 @@ def run_rl(config: RLConfig, *, on_step: StepHook | None = None) -> dict[str, Te
             raise ValueError(
                 f"{run_dir} already holds a run for {', '.join(taken)}: pass --resume or use another --run-dir"
             )
+    dtype = embedded_dtype(config.dtype, config.base_url, device.device)
     keys = tenant_keys(run_dir, names, config.api_keys)
-    dtype = embedded_dtype(config.dtype, config.base_url)
     atomic_write_json(
         run_dir / "config.json",
         {
@@ -349,6 +355,8 @@ def run_rl(config: RLConfig, *, on_step: StepHook | None = None) -> dict[str, Te
             "api_keys": None,
             "dtype": dtype.dtype,
             "dtype_choice": dtype.record(),
+            "device": device.device,
+            "device_choice": device.record(),
         },
     )
     rows_per_step = sum(t.prompts_per_step * t.group_size for t in config.tenants)
@@ -363,6 +371,7 @@ def run_rl(config: RLConfig, *, on_step: StepHook | None = None) -> dict[str, Te
         torch_threads=config.torch_threads,
         max_sample_rows=min(max(rows_per_step, 16), 256),
         rollout=config.rollout,
+        device=device.device,
     )
     if backend.server is not None:  # never the key itself: it is in the run dir, 0600
         print(

@@ -18,6 +18,7 @@ from tinker import types
 
 from lorafleet.fsio import atomic_write_json, ensure_private_dir
 from lorafleet.rl.connect import (
+    embedded_device,
     embedded_dtype,
     export_adapter,
     load_tokenizer,
@@ -44,6 +45,7 @@ class SFTConfig:
     api_key: str | None = None
     progress: bool = True
     dtype: str = "auto"  # the embedded server's base dtype (see RLConfig.dtype)
+    device: str = "auto"  # where the embedded server runs (see RLConfig.device)
 
 
 def _ids(encoded: Any) -> list[int]:
@@ -135,9 +137,10 @@ def run_sft(config: SFTConfig) -> dict[str, Any]:
     if not 0.0 < config.eval_fraction < 1.0:
         raise ValueError(f"--eval-fraction must be in (0, 1), got {config.eval_fraction}")
     rows = load_rows(config.data)
+    device = embedded_device(config.device, config.base_url)  # refused before anything is written
+    dtype = embedded_dtype(config.dtype, config.base_url, device.device)
     run_dir = ensure_private_dir(config.run_dir)
     key = tenant_keys(run_dir, ["sft"], [config.api_key] if config.api_key else None)["sft"]
-    dtype = embedded_dtype(config.dtype, config.base_url)
     atomic_write_json(
         run_dir / "config.json",
         {
@@ -147,6 +150,8 @@ def run_sft(config: SFTConfig) -> dict[str, Any]:
             "api_key": None,
             "dtype": dtype.dtype,
             "dtype_choice": dtype.record(),
+            "device": device.device,
+            "device_choice": device.record(),
         },
     )
     backend = start_backend(
@@ -157,6 +162,7 @@ def run_sft(config: SFTConfig) -> dict[str, Any]:
         dtype=dtype.dtype,
         max_adapters=2,
         max_rank=max(config.rank, 8),
+        device=device.device,
     )
     service = backend.client(key)
     metrics = MetricsLog(run_dir / "metrics.jsonl", resume=False)

@@ -24,10 +24,18 @@ Eager steps: a prefill (many tokens per row), more rows than the largest bucket,
 layers do not all run the fused kernel (MoE experts, kernel `grouped`/`loop`, no triton), or
 eager attention with an additive mask. `StepPlan.reason` says which, and the runner counts them.
 
-CUDA only; off unless asked (`enable`, or `SampleEngine.decode_graphs`) until replay is
-measured on a GPU. The planner, and the static step run without capture (`capture=False`,
-through Triton's interpreter), are tested on the CPU against the eager engine
-(tests/sample/test_cuda_graph_plan.py); the replay itself on a GPU (tests/test_cuda.py).
+Proven at start-up, never trusted blind. On CUDA the engines turn replay on
+(`prove_decode_graphs`) only after capturing a bucket and checking that replay equals the
+eager step: the same log-probs (within the dtype's same-implementation canary tolerance) and
+the same greedy tokens, for a mixed batch (a temporary adapter and the base) with a padding
+row, and again after the routing changed under the captured graph. A failed capture or check leaves decode eager, with one log
+line and the reason in `SampleEngine.graph_state` (the server's stats). Buckets met later are
+captured on first use while serving; should one of those captures (or a replay) raise, the
+engine runs that step eagerly, turns replay off and records why (`SampleEngine._decode`):
+never a failed request. The planner, the check and the fallback run on the CPU through the
+static step without capture (`capture=False`, the fused kernel under Triton's interpreter)
+and with injected failures (tests/sample/test_cuda_graph_plan.py); the capture itself on a
+GPU (tests/test_cuda.py).
 """
 
 from __future__ import annotations
@@ -35,13 +43,14 @@ from __future__ import annotations
 import bisect
 import logging
 from collections import Counter
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lorafleet.model.banks import LoRALinear
+from lorafleet.canary import tolerance_for
+from lorafleet.model.banks import AdapterSpec, LoRALinear
 from lorafleet.model.routing import BASE_SLOT, Routing
 from lorafleet.sample.kvcache import ForwardPlan, RowCache
 
@@ -324,7 +333,9 @@ class DecodeGraphs:
             self._body(step)
         torch.cuda.current_stream(engine.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: the server's other threads (HTTP, metering) may touch CUDA meanwhile;
+        # "global" would make any such call an error inside this capture.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             self._body(step)
         self._pool = graph.pool()
         graph.replay()
@@ -380,4 +391,173 @@ def enable(
     `capture=False`)."""
     graphs = DecodeGraphs(engine, planner, capture=capture)
     engine.decode_graphs = graphs
+    engine.graph_state = GraphState(enabled=True, reason="on: enabled without a start-up check")
     return graphs
+
+
+# --------------------------------------------------------------------------- start-up proof
+
+
+@dataclass
+class GraphState:
+    """Whether decode steps replay from CUDA graphs, and why (the server's stats)."""
+
+    enabled: bool = False
+    reason: str = "off: not enabled"
+    checked: bool = False  # the start-up check ran (and passed, when enabled)
+    max_logprob_diff: float | None = None  # replay vs eager in the check
+    fallbacks: int = 0  # steps that fell back to eager because replay or a capture raised
+    last_error: str | None = None
+    counters: dict[str, object] = field(default_factory=dict)
+
+    def record(self, graphs: DecodeGraphs | None = None) -> dict[str, object]:
+        out = asdict(self)
+        if graphs is not None:
+            out["counters"] = {
+                "captures": graphs.captures,
+                "replays": graphs.replays,
+                "eager_steps": dict(graphs.eager_steps),
+                "graphs": len(graphs.graphs),
+            }
+        return out
+
+
+class GraphCheckFailed(RuntimeError):
+    """Replay does not reproduce the eager step."""
+
+
+GraphsFactory = Callable[["SampleEngine"], DecodeGraphs]
+"""How `prove_decode_graphs` builds the runner it checks (a seam: tests inject failures)."""
+
+_CHECK_PROMPTS = ((5, 11, 17, 23, 29), (7, 13), (19, 3, 31, 2))
+_CHECK_RANK = 4
+
+
+def prove_decode_graphs(
+    engine: SampleEngine, *, graphs_factory: GraphsFactory | None = None
+) -> GraphState:
+    """Turns graph replay on for `engine` if capture and replay work here and replay equals
+    eager (see the module docstring); otherwise leaves decode eager and says why. Needs a
+    free sampler slot (for a temporary adapter) and nothing running: call it before serving.
+    On a CPU engine it does nothing unless a factory is given (tests: `capture=False`)."""
+    if graphs_factory is None:
+        if engine.device.type != "cuda":
+            return _set_state(
+                engine,
+                None,
+                GraphState(reason=f"off: CUDA graphs need CUDA, not {engine.device.type}"),
+            )
+        graphs_factory = DecodeGraphs
+    try:
+        graphs = graphs_factory(engine)
+    except (ValueError, RuntimeError) as exc:
+        return _off(engine, f"the graph runner could not be built: {exc}")
+    if not graphs.fused:
+        return _set_state(engine, None, GraphState(reason=f"off: {EAGER_KERNEL}"))
+    if engine._additive_mask:
+        return _set_state(engine, None, GraphState(reason=f"off: {EAGER_ADDITIVE_MASK}"))
+    free = engine.bank.free_slots()
+    if not free:
+        return _off(engine, "no free sampler slot for the start-up check's adapter")
+    slot = engine.bank.allocate(
+        AdapterSpec(rank=min(_CHECK_RANK, engine.bank.r_max), alpha=8.0, seed=1), free[0]
+    )
+    try:
+        diff = _check(engine, graphs, slot)
+    except Exception as exc:  # noqa: BLE001 - any failure keeps decode eager; the reason is kept
+        return _off(engine, f"{type(exc).__name__}: {exc}")
+    finally:
+        engine.bank.free(slot)
+    state = GraphState(
+        enabled=True,
+        reason=f"on: replay equals eager at start-up (buckets {sorted(graphs.planner.buckets)})",
+        checked=True,
+        max_logprob_diff=diff,
+    )
+    log.info("CUDA-graph decode on: replay equals eager at start-up (max log-prob diff %.2g)", diff)
+    return _set_state(engine, graphs, state)
+
+
+def _set_state(engine: SampleEngine, graphs: DecodeGraphs | None, state: GraphState) -> GraphState:
+    engine.decode_graphs = graphs
+    engine.graph_state = state
+    return state
+
+
+def _off(engine: SampleEngine, why: str) -> GraphState:
+    log.warning("CUDA-graph decode off, decode runs eagerly: %s", why)
+    return _set_state(engine, None, GraphState(reason=f"off: {why}", checked=True))
+
+
+@torch.no_grad()
+def _check(engine: SampleEngine, graphs: DecodeGraphs, slot: int) -> float:
+    """Eager vs replayed decode of the same rows, twice (the second time with the routing
+    changed under the same graph); returns the largest log-prob difference."""
+    gen = torch.Generator().manual_seed(0)
+    bank = engine.bank
+    weights = {
+        path: (A, 0.5 * torch.randn(B.shape, generator=gen).to(B.device))
+        for path, (A, B) in bank.slot_weights(slot).items()
+    }
+    bank.load_slot_weights(slot, weights)
+    vocab = engine.limits.vocab_size
+    prompts = [[t % vocab for t in p] for p in _CHECK_PROMPTS][: engine.cache.num_rows]
+    n = len(prompts)
+    device = engine.device
+    lengths = [len(p) for p in prompts]
+    ids = torch.zeros(n, max(lengths), dtype=torch.int64)
+    for row, prompt in enumerate(prompts):
+        ids[row, : len(prompt)] = torch.tensor(prompt)
+    first = [slot if row % 2 == 0 else BASE_SLOT for row in range(n)]
+    logits = engine._forward(
+        slice(0, n),
+        ids.to(device),
+        torch.zeros(n, dtype=torch.int64, device=device),
+        torch.tensor(first, dtype=torch.int64, device=device),
+        torch.arange(n, device=device),
+        torch.tensor([length - 1 for length in lengths], device=device),
+        lengths=torch.tensor(lengths, device=device),
+    )
+    tokens = logits.argmax(-1).tolist()
+    tolerance = tolerance_for(engine.dtype, same_implementation=True)
+    worst = 0.0
+    for routing in (first, [BASE_SLOT if s == slot else slot for s in first]):
+        eager = engine._forward(
+            slice(0, n),
+            torch.tensor([[t] for t in tokens], dtype=torch.int64, device=device),
+            torch.tensor(lengths, dtype=torch.int64, device=device),
+            torch.tensor(routing, dtype=torch.int64, device=device),
+            torch.arange(n, device=device),
+            torch.zeros(n, dtype=torch.int64, device=device),
+        )
+        replayed = graphs.decode(tokens, lengths, routing)
+        if replayed is None:
+            raise GraphCheckFailed(
+                f"the step ran eagerly instead of replaying: {dict(graphs.eager_steps)}"
+            )
+        replayed_lp = torch.log_softmax(replayed.float(), -1)
+        eager_lp = torch.log_softmax(eager.float(), -1)
+        diff = float((replayed_lp - eager_lp).abs().max())
+        if not diff <= tolerance:
+            raise GraphCheckFailed(
+                f"replayed log-probs differ from eager by {diff:.3g} (tolerance {tolerance:g})"
+            )
+        # Greedy picks agree up to near-ties (a random-weight model's top two tokens can be
+        # closer than rounding): replay's pick must be eager's best within the tolerance.
+        picked = eager_lp.gather(1, replayed_lp.argmax(-1, keepdim=True)).squeeze(1)
+        if bool((picked < eager_lp.max(-1).values - tolerance).any()):
+            raise GraphCheckFailed("replay picks greedy tokens that eager ranks clearly lower")
+        worst = max(worst, diff)
+    return worst
+
+
+def fall_back(engine: SampleEngine, exc: BaseException) -> None:
+    """A capture or replay raised while serving: decode stays eager from now on (the step
+    that raised runs eagerly too); one log line, and the reason in the engine's state."""
+    state = engine.graph_state
+    state.enabled = False
+    state.fallbacks += 1
+    state.last_error = f"{type(exc).__name__}: {exc}"
+    state.reason = f"off: a capture or replay failed while serving ({state.last_error})"
+    engine.decode_graphs = None
+    log.warning("CUDA-graph decode turned off, decode runs eagerly: %s", state.last_error)

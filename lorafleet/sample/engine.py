@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,10 +39,11 @@ from typing import Any
 import torch
 
 from lorafleet.model.adapted import AdaptedModel
+from lorafleet.model.memory import is_out_of_memory, release_cached
 from lorafleet.model.routing import BASE_SLOT
 from lorafleet.sample.admission import FairQueue
 from lorafleet.sample.canary_probe import version_name
-from lorafleet.sample.cuda_graphs import DecodeGraphs
+from lorafleet.sample.cuda_graphs import DecodeGraphs, GraphState, fall_back
 from lorafleet.sample.kvcache import RowCache
 from lorafleet.sample.prefix_cache import (
     DEFAULT_BLOCK_TOKENS,
@@ -204,7 +205,9 @@ class SampleEngine:
         self.device = self.bank.params.device
         self.dtype = next(model.parameters()).dtype
         self._additive_mask = config._attn_implementation == "eager"
-        self.decode_graphs: DecodeGraphs | None = None  # set by cuda_graphs.enable (CUDA only)
+        # CUDA-graph decode (cuda_graphs.py): set by prove_decode_graphs or enable, CUDA only
+        self.decode_graphs: DecodeGraphs | None = None
+        self.graph_state = GraphState()
         self.cache = RowCache(int(config.num_hidden_layers), max_rows + self.reserved_rows)
         if prefix_cache_bytes is None:
             prefix_cache_bytes = self.default_prefix_cache_bytes(
@@ -220,6 +223,8 @@ class SampleEngine:
         self.last_traces: list[SequenceTrace] = []
         # the last step that failed (its requests failed with it), until a step succeeds again
         self._last_failure: str | None = None
+        self.out_of_memory_failures = 0  # requests failed because the device ran out of memory
+        self.prefix_cache_oom_skips = 0  # prefixes not cached for want of device memory
         self._check_logits_path()
 
     # ------------------------------------------------------------------ set-up checks
@@ -293,6 +298,10 @@ class SampleEngine:
     def prefix_cache_stats(self) -> PrefixCacheStats:
         """The prefix cache's counters and size (prefix_cache.py), for the server's stats."""
         return self.prefix_cache.report()
+
+    def decode_graph_stats(self) -> dict[str, object]:
+        """Whether decode replays CUDA graphs and why, with the runner's counters."""
+        return self.graph_state.record(self.decode_graphs)
 
     def release_cache(self) -> None:
         """Frees the KV buffers between sampling phases (they come back on the next step; the
@@ -432,13 +441,57 @@ class SampleEngine:
         waiting, active = self._waiting, self._active
         admitted = self._admit(waiting, active, step)
         if admitted:
-            self._prefill(admitted, active)
-            self._retire(active, step)
+            oom = self._out_of_memory(lambda: self._prefill(admitted, active))
+            if oom is None:
+                self._retire(active, step)
+            else:  # the new requests fail; the rows already running go on
+                groups = {id(s.group): s.group for s in admitted}
+                self._drop(
+                    groups.values(), self._oom_error(oom, f"prefilling {len(groups)} request(s)")
+                )
         if active:
-            self._decode(active)
-            self._retire(active, step)
+            self._decode(active, step)
         elif not admitted and waiting:
             self._fail_stuck(waiting)
+
+    def _out_of_memory(self, run: Callable[[], object]) -> str | None:
+        """Runs `run`; None when it finished, the error's text when the device ran out of
+        memory (any other error propagates). The failed forward's tensors are released when
+        this returns (the exception and its frames are gone by then)."""
+        try:
+            run()
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        return None
+
+    def _oom_error(self, detail: str, doing: str) -> SampleError:
+        release_cached(self.device)
+        return SampleError(
+            "out_of_memory",
+            f"out of memory on {self.device} while {doing}; the sampler goes on serving. "
+            f"Ask for fewer samples or tokens, or retry when the server is less busy "
+            f"({detail[:300]})",
+        )
+
+    def _drop(self, groups: Iterable[_Group], error: SampleError) -> None:
+        """Fails these requests now and frees their rows (the pool is compacted as `_retire`
+        does); their samples still waiting are skipped when their turn comes."""
+        doomed = {id(g): g for g in groups}
+        active = self._active
+        for row in range(len(active) - 1, -1, -1):
+            if id(active[row].group) in doomed:
+                last = len(active) - 1
+                if row != last:
+                    self.cache.copy_row(last, row, active[last].length)
+                    active[row] = active[last]
+                active.pop()
+        for group in doomed.values():
+            self._unpin(group)
+            if not group.future.done():
+                self._fail(group, error)
+                self.out_of_memory_failures += error.code == "out_of_memory"
 
     def _abort(self, exc: BaseException) -> None:
         groups = {id(g): g for g, _ in self._waiting.drain()}
@@ -527,13 +580,18 @@ class SampleEngine:
         return self.prefix_cache.lookup(group.prefix_root, group.prompt_ids, limit)
 
     def _cache_prefix(self, group: _Group, row: int, tokens: list[int]) -> None:
-        """Adds the full blocks of `tokens`, whose KV row `row` holds, to the prefix cache."""
+        """Adds the full blocks of `tokens`, whose KV row `row` holds, to the prefix cache
+        (skipped, and counted, when the device has no memory left for the copy)."""
         if group.prefix_root is not None and self.prefix_cache.enabled:
-            self.prefix_cache.insert(
-                group.prefix_root,
-                tokens,
-                lambda start, stop: self.cache.read_span(row, start, stop),
+            root = group.prefix_root
+            oom = self._out_of_memory(
+                lambda: self.prefix_cache.insert(
+                    root, tokens, lambda start, stop: self.cache.read_span(row, start, stop)
+                )
             )
+            if oom is not None:
+                release_cached(self.device)
+                self.prefix_cache_oom_skips += 1
 
     def _pin(self, group: _Group) -> bool:
         key = group.request.adapter
@@ -720,7 +778,31 @@ class SampleEngine:
         out[start:] = values.float().cpu()
         return out
 
-    def _decode(self, active: list[_Seq]) -> None:
+    def _decode(self, active: list[_Seq], step: int) -> None:
+        """One decode step of the running rows. Out of memory in its forward: the requests
+        whose rows needed the KV cache to grow fail (every running one when none did), and
+        the others decode again once; the engine goes on either way."""
+        capacity = self.cache.capacity
+        logits: list[torch.Tensor] = []
+        oom = self._out_of_memory(lambda: logits.append(self._decode_logits(active)))
+        if oom is not None:
+            growing = {id(s.group): s.group for s in active if s.length + 1 > capacity}
+            culprits = growing or {id(s.group): s.group for s in active}
+            self._drop(culprits.values(), self._oom_error(oom, f"decoding {len(active)} row(s)"))
+            if not active or not growing:
+                return
+            oom = self._out_of_memory(lambda: logits.append(self._decode_logits(active)))
+            if oom is not None:
+                groups = {id(s.group): s.group for s in active}
+                self._drop(groups.values(), self._oom_error(oom, f"decoding {len(active)} row(s)"))
+                return
+        for seq in active:
+            seq.length += 1
+        self._sample(active, logits[0], torch.log_softmax(logits[0], dim=-1))
+        self._retire(active, step)
+
+    def _decode_logits(self, active: list[_Seq]) -> torch.Tensor:
+        """The running rows' next-token logits (their KV written at their current length)."""
         device = self.device
         n = len(active)
         input_ids = torch.tensor([[s.tokens[-1]] for s in active], dtype=torch.int64, device=device)
@@ -730,18 +812,20 @@ class SampleEngine:
         graphs = self.decode_graphs  # CUDA graph replay when enabled (cuda_graphs.py)
         logits = None
         if graphs is not None:
-            logits = graphs.decode(
-                [s.tokens[-1] for s in active],
-                [s.length for s in active],
-                [s.group.slot for s in active],
-            )
+            try:
+                logits = graphs.decode(
+                    [s.tokens[-1] for s in active],
+                    [s.length for s in active],
+                    [s.group.slot for s in active],
+                )
+            except Exception as exc:  # noqa: BLE001 - a graph failure must not fail the step
+                fall_back(self, exc)  # logged and recorded; this step and the next run eagerly
+                logits = None
         if logits is None:
             logits = self._forward(
                 slice(0, n), input_ids, starts, slots, rows, torch.zeros_like(rows)
             )
-        for seq in active:
-            seq.length += 1
-        self._sample(active, logits, torch.log_softmax(logits, dim=-1))
+        return logits
 
     def _sample(self, seqs: list[_Seq], logits: torch.Tensor, logprobs: torch.Tensor) -> None:
         requests = [s.group.request for s in seqs]

@@ -13,7 +13,7 @@ The report shapes are fixed: `as_dict()` gives the JSON the console and
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -75,9 +75,11 @@ class ReplicaStats:
     last_canary: CanaryRecord | None
     restarts: int
     error: str | None  # why it is out of rotation, or the last failure it recovered from
+    # a Ray replica's node (node_id, node_ip, pid); None for replicas that are not Ray actors
+    node: Mapping[str, object] | None = None
 
     def as_dict(self) -> dict[str, object]:
-        return {
+        shown: dict[str, object] = {
             "name": self.name,
             "url": self.url,
             "state": self.state,
@@ -86,6 +88,9 @@ class ReplicaStats:
             "restarts": self.restarts,
             "error": self.error,
         }
+        if self.node is not None:
+            shown["node"] = dict(self.node)
+        return shown
 
 
 @dataclass(frozen=True)

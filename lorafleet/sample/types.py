@@ -94,8 +94,15 @@ class SampledSequence:
 class SampleError:
     """Why a request did not run. `code` is stable for servers to map onto HTTP statuses."""
 
-    # engine_unavailable: no verified rollout replica could run it now (retryable, a 503)
-    code: Literal["invalid_request", "unknown_version", "version_unavailable", "engine_unavailable"]
+    # engine_unavailable: no verified rollout replica could run it now (retryable, a 503);
+    # out_of_memory: the device ran out of memory running it (the others went on)
+    code: Literal[
+        "invalid_request",
+        "unknown_version",
+        "version_unavailable",
+        "engine_unavailable",
+        "out_of_memory",
+    ]
     message: str
 
 

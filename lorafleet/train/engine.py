@@ -34,6 +34,12 @@ from lorafleet.adapters.hparams import OPTIMIZERS, DimuonHParams, OptimHParams
 from lorafleet.adapters.peft_io import export_peft, import_peft
 from lorafleet.model.adapted import AdaptedModel
 from lorafleet.model.banks import AdapterSpec, BankSet
+from lorafleet.model.memory import (
+    DeviceOutOfMemory,
+    is_out_of_memory,
+    out_of_memory_message,
+    release_cached,
+)
 from lorafleet.model.routing import Routing
 from lorafleet.train.canary_probe import trainer_canary_logprobs
 from lorafleet.train.checkpointing import (
@@ -300,23 +306,44 @@ class TrainEngine:
         batches = plan_units(units, lengths, self.token_budget)
         # Each micro-batch checks its losses before its backward; if a later one fails, the
         # gradients earlier ones already added are rolled back, so the call is all or nothing.
+        # On an accelerator the one micro-batch of a call is guarded too: running out of
+        # memory in the middle of its backward leaves part of the gradient added (on the CPU
+        # the only failure there, a non-finite loss, is caught before the backward).
         snapshot = None
         grads = self.bank.grads  # None only for an inference-only bank, which never runs backward
-        if backward and len(batches) > 1 and grads is not None:
-            used = sorted(set(slots))
-            snapshot = (grads, used, grads[used].clone())
+        if backward and grads is not None and (len(batches) > 1 or self.device.type != "cpu"):
+            # (the index made now: putting the rows back must not need device memory then)
+            used = torch.tensor(sorted(set(slots)), dtype=torch.int64, device=grads.device)
+            snapshot = (grads, used, grads.index_select(0, used))
         tokens_run = 0
+        oom: str | None = None
         try:
             for batch in batches:
                 layout = build_layout(slots, tokens, batch)
                 outputs.update(self._run_microbatch(prepared, batch, layout, backward=backward))
                 tokens_run += layout.tokens_run
-        except Exception:
+        except Exception as exc:
             if snapshot is not None:
                 bank_grads, used, saved = snapshot
                 with torch.no_grad():
-                    bank_grads[used] = saved
-            raise
+                    bank_grads.index_copy_(0, used, saved)
+            if not is_out_of_memory(exc):
+                raise
+            total = sum(lengths)
+            oom = out_of_memory_message(
+                self.device,
+                f"running {'forward_backward' if backward else 'forward'} over {len(prepared)} "
+                f"datums ({total} tokens, micro-batches of at most {self.token_budget} tokens)",
+                exc,
+                "Send fewer tokens per call, or lower the trainer's token budget.",
+            )
+        if oom is not None:
+            # Out of the except block: the failed micro-batch's tensors (held by the
+            # exception's frames) are gone, so the allocator's cached blocks can be returned.
+            outputs.clear()
+            snapshot = None
+            release_cached(self.device)
+            raise DeviceOutOfMemory(oom)
         distinct = tuple(sorted(set(slots)))
         if backward and self.optimizer is not None:
             self.optimizer.note_gradient(s for s in distinct if self.families.get(s) != "dimuon")

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from lorafleet.rl import envs
 from lorafleet.rl.datums import group_advantages, rl_datum, sft_datum
@@ -243,6 +244,10 @@ def test_cli_rl_and_sft_run_end_to_end(tmp_path, capsys):
     )
     assert rc == 0
     assert (tmp_path / "rl" / "t1-tag" / "adapter" / "adapter_config.json").is_file()
+    recorded = json.loads((tmp_path / "rl" / "config.json").read_text())
+    # --device auto: the first CUDA device where there is one
+    assert recorded["device"] == ("cuda:0" if torch.cuda.is_available() else "cpu")
+    assert recorded["device_choice"]["requested"] == "auto" and recorded["device_choice"]["name"]
     data = tmp_path / "d.jsonl"
     data.write_text(
         "".join(
@@ -268,6 +273,8 @@ def test_cli_rl_and_sft_run_end_to_end(tmp_path, capsys):
     assert rc == 0
     summary = json.loads((tmp_path / "sft" / "summary.json").read_text())
     assert summary["held_out_rows"] == 1 and summary["eval_loss_after"] is not None
+    sft_device = json.loads((tmp_path / "sft" / "config.json").read_text())["device"]
+    assert sft_device == ("cuda:0" if torch.cuda.is_available() else "cpu")
     assert (tmp_path / "sft" / "adapter" / "adapter_config.json").is_file()
     assert main(["rl", "--tenants", "1", "--lr", "x", "--run-dir", str(tmp_path / "bad")]) == 2
     assert "--lr 'x'" in capsys.readouterr().err

@@ -212,3 +212,156 @@ def test_the_static_decode_step_equals_the_eager_one_on_the_cpu():
             atol=1e-4,
             rtol=0,
         )
+
+
+# ----------------------------------------------------------------- start-up check, fallback
+
+
+class EagerRunner(DecodeGraphs):
+    """A graph runner that replays nothing: it computes each step eagerly (what a correct
+    replay gives), then `tamper`s with the logits, or raises on call `fail_at`, as a broken
+    capture or replay would."""
+
+    def __init__(self, engine, *, tamper=None, fail_at=None):
+        super().__init__(engine, capture=False)
+        self.fused = True  # (the seam: whatever the layers run)
+        self.tamper, self.fail_at, self.calls = tamper, fail_at, 0
+
+    def decode(self, tokens, starts, slots):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+        n, device = len(starts), self.engine.device
+        logits = self.engine._forward(
+            slice(0, n),
+            torch.tensor(tokens, device=device).view(n, 1),
+            torch.tensor(starts, device=device),
+            torch.tensor(slots, device=device),
+            torch.arange(n, device=device),
+            torch.zeros(n, dtype=torch.int64, device=device),
+        )
+        self.replays += 1
+        return logits if self.tamper is None else self.tamper(logits)
+
+
+def _graph_stack(kernel: str = "auto"):
+    model = tiny_qwen3(seed=0, layers=1)
+    return colocate(
+        model,
+        resolve_tinker_targets(model),
+        base_model_id="tiny",
+        r_max=8,
+        sample_slots=3,
+        max_rows=3,
+        kernel=kernel,  # type: ignore[arg-type]
+        decode_graphs=False,
+    )
+
+
+def _requests(stack, count: int = 5):
+    slot = stack.trainer.create_adapter(AdapterSpec(rank=4, alpha=8.0, seed=1))
+    gen = torch.Generator().manual_seed(9)
+    stack.trainer.bank.load_slot_weights(
+        slot,
+        {
+            path: (A, 0.3 * torch.randn(B.shape, generator=gen))
+            for path, (A, B) in stack.trainer.bank.slot_weights(slot).items()
+        },
+    )
+    key = stack.versions.publish("a", stack.trainer.bank, slot)
+    return [
+        SampleRequest(
+            torch.randint(0, 96, (3 + i,), generator=torch.Generator().manual_seed(i)).tolist(),
+            SamplingParams(
+                max_tokens=3 + i % 3, temperature=0.0 if i % 2 else 0.9, seed=i, stop=[]
+            ),
+            adapter=key if i % 2 else None,
+        )
+        for i in range(count)
+    ]
+
+
+def test_on_the_cpu_graphs_stay_off_saying_why():
+    stack = _graph_stack()
+    state = cuda_graphs.prove_decode_graphs(stack.sampler)
+    assert not state.enabled and "CUDA graphs need CUDA" in state.reason
+    assert stack.sampler.decode_graphs is None
+    unfused = cuda_graphs.prove_decode_graphs(
+        stack.sampler, graphs_factory=lambda e: DecodeGraphs(e, capture=False)
+    )
+    assert not unfused.enabled and EAGER_KERNEL in unfused.reason
+    assert stack.sampler.decode_graph_stats()["reason"] == unfused.reason
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+@pytest.mark.usefixtures("fused")
+def test_the_start_up_check_turns_the_static_step_on_when_it_equals_eager():
+    """The real static step (the fused kernel through the interpreter), checked as at start-up
+    on CUDA; decode then replays it, and generation equals the eager engine's."""
+    stack = _graph_stack("triton")
+    sampler = stack.sampler
+    free = sampler.bank.free_slots()
+    requests = _requests(stack)
+    eager = sampler.generate(requests)
+    state = cuda_graphs.prove_decode_graphs(
+        sampler, graphs_factory=lambda e: DecodeGraphs(e, capture=False)
+    )
+    assert state.enabled and state.checked and state.max_logprob_diff is not None
+    assert state.max_logprob_diff <= 1e-4
+    assert sampler.bank.free_slots() == free[1:]  # (only the published version holds a slot)
+    replayed = sampler.generate(requests)
+    stats = sampler.decode_graph_stats()
+    assert stats["enabled"] and stats["counters"]["replays"] > 0
+    for a, b in zip(eager, replayed, strict=True):
+        assert a.ok and b.ok and [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
+
+
+def _shifted(logits: torch.Tensor) -> torch.Tensor:
+    out = logits.clone()
+    out[:, 0] += 0.5
+    return out
+
+
+@pytest.mark.parametrize(
+    "runner,why",
+    [
+        (lambda e: EagerRunner(e, tamper=_shifted), "replayed log-probs differ from eager"),
+        (lambda e: EagerRunner(e, fail_at=1), "operation not permitted when stream is capturing"),
+        (lambda e: EagerRunner(e, tamper=lambda x: x * float("nan")), "differ from eager by nan"),
+    ],
+    ids=["differs", "capture-raises", "nan"],
+)
+def test_a_failed_start_up_check_keeps_decode_eager_and_says_why(runner, why, caplog):
+    stack = _graph_stack()
+    sampler = stack.sampler
+    free = sampler.bank.free_slots()
+    with caplog.at_level("WARNING", logger="lorafleet.sample.cuda_graphs"):
+        state = cuda_graphs.prove_decode_graphs(sampler, graphs_factory=runner)
+    assert not state.enabled and state.checked and why in state.reason, state.reason
+    assert sampler.decode_graphs is None
+    assert sampler.bank.free_slots() == free  # the check's adapter is gone again
+    assert len([r for r in caplog.records if "decode runs eagerly" in r.getMessage()]) == 1
+    assert all(r.ok for r in sampler.generate(_requests(stack)))
+
+
+def test_a_replay_that_fails_while_serving_falls_back_to_eager_without_failing_requests(caplog):
+    stack = _graph_stack()
+    sampler = stack.sampler
+    requests = _requests(stack)
+    eager = sampler.generate(requests)
+    state = cuda_graphs.prove_decode_graphs(
+        sampler,
+        graphs_factory=lambda e: EagerRunner(e, fail_at=4),  # 2 in the check, then 2 steps
+    )
+    assert state.enabled
+    with caplog.at_level("WARNING", logger="lorafleet.sample.cuda_graphs"):
+        served = sampler.generate(requests)
+    for a, b in zip(eager, served, strict=True):
+        assert b.ok and [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
+    stats = sampler.decode_graph_stats()
+    assert not stats["enabled"] and stats["fallbacks"] == 1
+    assert (
+        "failed while serving" in stats["reason"] and "stream is capturing" in stats["last_error"]
+    )
+    assert sampler.decode_graphs is None
+    assert len([r for r in caplog.records if "turned off" in r.getMessage()]) == 1

@@ -11,6 +11,7 @@ import time
 
 import httpx
 import tinker
+import torch
 
 from lorafleet.server.main import free_port, is_loopback
 
@@ -74,6 +75,20 @@ def test_serve_subcommand(tmp_path):
             rest = tinker.RestClient(base_url=f"http://127.0.0.1:{port}", api_key=key)
             names = [m.model_name for m in rest.get_server_capabilities().result().supported_models]
             assert names == ["tiny-qwen3"]  # the preset's name, never a server directory
+        # `--device` defaults to auto: the CPU here, reported with what ran there and why
+        stats = httpx.get(
+            f"http://127.0.0.1:{port}/api/v1/lorafleet/stats", headers={"X-API-Key": KEY_ENV}
+        ).json()
+        device, on_gpu = stats["device"], torch.cuda.is_available()
+        assert device["device"] == ("cuda:0" if on_gpu else "cpu") and device["name"]
+        # sizes planned from free memory on CUDA; the flags' defaults on the CPU
+        assert device["memory_plan"]["planned"] is on_gpu
+        if not on_gpu:
+            assert device["memory_plan"]["values"]["max_adapters"] == 8
+            assert "need CUDA" in device["cuda_graphs"]["reason"]
+        # the fused kernel and graph decode run on CUDA, after their start-up checks
+        assert device["lora_kernel"]["fused"] is on_gpu, device["lora_kernel"]
+        assert device["cuda_graphs"]["enabled"] is on_gpu, device["cuda_graphs"]
         assert oct((tmp_path / "data").stat().st_mode & 0o777) == "0o700"
         assert oct((tmp_path / "data" / "lorafleet.db").stat().st_mode & 0o777) == "0o600"
     finally:

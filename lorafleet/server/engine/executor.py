@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, assert_never
 
-from lorafleet.engines import EngineConfig, build_engines
+from lorafleet.engines import EngineConfig, build_engines, device_report, plan_engine_config
 from lorafleet.interfaces import EngineSet
 from lorafleet.model.loader import load_base
 from lorafleet.sample.reports import SamplerHealth
@@ -79,13 +79,15 @@ class Executor:
         self.store = store
         self.data_dir = data_dir
         self.torch_threads = torch_threads
-        base = load_base(config.base_model, dtype=config.dtype)
+        base = load_base(config.base_model, dtype=config.dtype, device=config.device)
         self.base_id = base.model_id  # preset name or absolute dir: what checkpoints record
         self.base_path = base.path
         model_config = base.model.config
         self.arch = (getattr(model_config, "architectures", None) or [type(base.model).__name__])[0]
         self.context_length = int(getattr(model_config, "max_position_embeddings", 0) or 0) or None
         targets = TargetSets(base.model)  # before the engines wrap the base's linears
+        # sizes left to the device's free memory are planned now (engines.plan_engine_config)
+        self.config = config = plan_engine_config(config, base, targets.everything())
         # Same seams whether the engines run here, in trainer ranks or in sampler replicas.
         self.engines: EngineSet = build_engines(config, base, targets.everything())
         self.trainer = self.engines.trainer
@@ -216,6 +218,7 @@ class Executor:
             "paging": {"training": self.live.paging(), "sampler": self.versions.paging()},
             "torch_threads": self.torch_threads,
             "prefix_cache": self.prefix_cache_stats(),
+            "device": device_report(self.config, self.engines),  # where, memory, kernels
         }
 
     # What the sampler reports about itself (interfaces.Sampler), as JSON for the stats.
