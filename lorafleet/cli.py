@@ -238,6 +238,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         allow_recovery_deletes=args.allow_recovery_deletes,
         gap_timeout_s=args.gap_timeout_s,
         round_token_budget=args.round_token_budget,
+        solo_round_token_budget=args.solo_round_token_budget,
     )
     from lorafleet.server.state.recovery import RecoveryRefused
     from lorafleet.server.state.store import StoreError
@@ -411,6 +412,17 @@ def _positive_seconds(value: str) -> float:
     return seconds
 
 
+def _tokens_or_off(value: str) -> int:
+    """A number of tokens, or 0 for off."""
+    try:
+        tokens = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens, got {value!r}") from None
+    if tokens < 0:
+        raise argparse.ArgumentTypeError(f"must be a number of tokens >= 0 (0: off), got {value!r}")
+    return tokens
+
+
 def _positive_tokens(value: str) -> int:
     try:
         tokens = int(value)
@@ -533,6 +545,15 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
         help="tokens of forward_backward work one engine round runs; tenants take turns by "
         "weighted deficit round-robin and a bigger call runs in chunks over several rounds "
         "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--solo-round-token-budget",
+        type=_tokens_or_off,
+        default=16384,  # scheduler.DEFAULT_SOLO_ROUND_TOKENS
+        help="tokens a round may run while one tenant is alone on the server (no other "
+        "tenant's operation queued, running or finished in the last 10 s), so that a lone "
+        "tenant's big multi-turn call is not cut where its turns share their history; "
+        "0: off (default: %(default)s)",
     )
     parser.add_argument(
         "--allow-recovery-deletes",

@@ -10,7 +10,7 @@ from typing import Any
 from lorafleet.engines import EngineConfig
 from lorafleet.server.http import resource_json, schemas
 from lorafleet.server.http.served import RequestLimits
-from lorafleet.server.ops.scheduler import DEFAULT_ROUND_TOKENS
+from lorafleet.server.ops.scheduler import DEFAULT_ROUND_TOKENS, DEFAULT_SOLO_ROUND_TOKENS
 
 
 @dataclass
@@ -63,6 +63,11 @@ class ServerConfig:
     # tenants take turns by weighted deficit round-robin and a bigger call runs in chunks over
     # several rounds. Bounds how long another tenant's step waits behind a big call.
     round_token_budget: int = DEFAULT_ROUND_TOKENS
+    # ... and while one tenant is alone on the server (no other tenant's operation queued,
+    # running or finished for SOLO_AFTER_S), a round may run this many: the small budget only
+    # cost a lone tenant (its multi-turn calls lost their shared prefixes at every cut).
+    # 0: off (every round takes round_token_budget).
+    solo_round_token_budget: int = DEFAULT_SOLO_ROUND_TOKENS
     # the tenants file (tenants.py): keys as hashes, weights, operators, quotas; reloaded on
     # SIGHUP. Without one, `api_keys` are the tenants (weight 1, no quotas, no operator).
     tenants_file: Path | None = None
