@@ -208,7 +208,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--json", type=Path, default=None, help="write the results here as JSON")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds per side")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds per side first")
+    parser.add_argument(
+        "--warmup", type=int, default=1, help="untimed steps of one episode's datums first"
+    )
     parser.add_argument("--base-model", default="smollm2-135m", help="preset or local HF dir")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--groups", type=int, default=4)
@@ -289,7 +291,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             sc = tinker.ServiceClient(base_url=server.base_url, api_key=KEY)
             tc = sc.create_lora_training_client(
                 base_model=str(executor.base_path), rank=args.rank, seed=0
-            )
+            ).result()
             model_id = tc.model_id
             trainer = executor.trainer
             slot: int = scheduler.call(lambda: executor.live.get(model_id).slot).result()
@@ -333,9 +335,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 return seconds
 
             sides: dict[str, Callable[[], float]] = {"server": server_step, "engine": engine_step}
-            for _ in range(args.warmup):
-                for name, fn in sides.items():
-                    print(f"warm-up {name}: {fn():.2f} s", flush=True)
+            for _ in range(args.warmup):  # first-call costs, on one episode's datums
+                began = time.perf_counter()
+                tc.forward_backward(datums[: args.turns], LOSS).result()
+                tc.optim_step(adam).result()
+                print(f"warm-up: {time.perf_counter() - began:.2f} s", flush=True)
             times: dict[str, list[float]] = {name: [] for name in sides}
             tallies: dict[str, list[dict[str, Any]]] = {name: [] for name in sides}
             for r in range(args.repeats):
