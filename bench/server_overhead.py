@@ -26,9 +26,12 @@ worker thread, in the same process:
   rounds (`Scheduler.call`), timed there.
 
 `server_over_engine` is the median over rounds of server seconds / engine seconds (target
-<= 1.3). The JSON also records, per side, the trainer calls, their seconds and tokens forwarded
-(a timing hook around the trainer), the scheduler's rounds and chunks, and a check that the
-server's log-probs equal the engine's for the same datums.
+<= 1.3). The JSON also records, per side and round, the trainer calls, their seconds and tokens
+forwarded (a timing hook around the trainer), the scheduler's rounds and chunks; two figures a
+busy machine does not move: `outside_trainer_s` (each side's seconds outside the trainer's
+calls, median) and `server_tokens_over_engine` (tokens the trainer forwarded for the server's
+step over the engine's); and a check that the server's forward log-probs equal the engine's
+for the same datums on the same weights.
 
     HF_HUB_OFFLINE=1 .venv/bin/python -m bench.server_overhead --json bench/results/server_overhead.json
 """
@@ -375,6 +378,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 float((a - b.to(a.dtype)).abs().max()) for a, b in zip(same, served, strict=True)
             )
             ratios = [s / e for s, e in zip(times["server"], times["engine"], strict=True)]
+            # Load-independent: what each side spent outside the trainer's own calls, and how
+            # many tokens the trainer forwarded for the server against the engine.
+            outside = {
+                name: statistics.median(
+                    r["seconds"] - r["forward_backward_s"] - r["optim_s"] for r in rounds
+                )
+                for name, rounds in tallies.items()
+            }
+            tokens_ratio = statistics.median(
+                s["tokens_run"] / e["tokens_run"]
+                for s, e in zip(tallies["server"], tallies["engine"], strict=True)
+            )
             result = {
                 "benchmark": "server overhead: one guess_number-shaped step, SDK vs engine",
                 "server_over_engine": statistics.median(ratios),
@@ -390,6 +405,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     for name, v in times.items()
                 },
                 "per_round": tallies,
+                "outside_trainer_s": outside,
+                "server_tokens_over_engine": tokens_ratio,
                 "forward_logprob_max_diff": diff,
                 "step": {
                     "datums": len(data),
@@ -434,6 +451,12 @@ def print_table(result: dict[str, Any]) -> None:
     print(
         f"\nserver_over_engine {result['server_over_engine']:.3f} (target <= 1.3; per round "
         f"{', '.join(f'{r:.2f}' for r in result['ratios'])})"
+    )
+    outside = result["outside_trainer_s"]
+    print(
+        f"outside the trainer's calls (median): server {outside['server']:.2f} s, engine "
+        f"{outside['engine']:.2f} s; tokens forwarded server / engine "
+        f"{result['server_tokens_over_engine']:.2f}"
     )
     print(f"forward log-prob max |server - engine|: {result['forward_logprob_max_diff']:.3g}")
 
