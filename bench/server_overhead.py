@@ -205,6 +205,84 @@ class TrainerHook:
         del self.trainer.optim_step
 
 
+def fair_share_cuts(costs: list[int], budget: int) -> list[tuple[int, int]]:
+    """The chunks fair share cuts one lone call into at `budget` tokens a round (its default
+    quantum), as the scheduler would without solo rounds."""
+    from lorafleet.server.ops.fair_share import DeficitRoundRobin, Work
+
+    drr = DeficitRoundRobin(max(1, budget // 4), lambda tenant: 1.0)
+    cuts, done = [], 0
+    while done < len(costs):
+        take = drr.plan({"t": [Work("call", "m", done, tuple(costs))]}, budget)[0]
+        cuts.append((take.start, take.stop))
+        done = take.stop
+    return cuts
+
+
+def run_cuts(args: argparse.Namespace) -> dict[str, Any]:
+    """`--cuts`: the step's datums straight into a trainer, as one call, as one call per
+    episode, and in the chunks 512-token rounds cut it into: which costs, the calls or the
+    cuts (the trainer shares a history only among the datums of one call)."""
+    from lorafleet.model.adapted import AdaptedModel
+    from lorafleet.model.banks import AdapterSpec
+    from lorafleet.model.loader import load_base
+    from lorafleet.model.targets import resolve_tinker_targets
+    from lorafleet.server.ops.fair_share import datum_costs
+    from lorafleet.server.ops.scheduler import DEFAULT_ROUND_TOKENS
+    from lorafleet.train.engine import TrainEngine
+
+    dtype = fixed_dtype(args.dtype, "the recipe's measurement (fp32)")
+    model = load_base(args.base_model, dtype=args.dtype, device="cpu").model
+    adapted = AdaptedModel(model, resolve_tinker_targets(model))
+    adapted.add_bank("train", num_slots=2, r_max=args.rank)
+    trainer = TrainEngine(adapted, base_model_id=args.base_model)
+    slot = trainer.create_adapter(AdapterSpec(rank=args.rank, alpha=32.0, seed=0))
+    data = guess_number_step(
+        trainer.vocab_size,
+        groups=args.groups,
+        group_size=args.group_size,
+        turns=args.turns,
+        prompt=args.prompt,
+        observation=args.observation,
+    )
+    items = engine_items(slot, data)
+    budget = args.round_token_budget or DEFAULT_ROUND_TOKENS
+    plans = {
+        "one call": [(0, len(items))],
+        "per episode": [(i, i + args.turns) for i in range(0, len(items), args.turns)],
+        f"fair share {budget}": fair_share_cuts(datum_costs([d.tokens for d in data]), budget),
+    }
+    grads = trainer.bank.grads
+    assert grads is not None
+    trainer.forward_backward(items[: args.turns])  # first-call costs
+    rows = []
+    for r in range(args.repeats):
+        for name, plan in plans.items():
+            began, tokens = time.perf_counter(), 0
+            for start, stop in plan:
+                tokens += trainer.forward_backward(items[start:stop]).tokens_run
+            seconds = time.perf_counter() - began
+            grads.zero_()
+            rows.append(
+                {
+                    "plan": name,
+                    "round": r,
+                    "calls": len(plan),
+                    "tokens_run": tokens,
+                    "seconds": seconds,
+                }
+            )
+            print(
+                f"{name}: {len(plan)} calls, {tokens} tokens forwarded, {seconds:.1f} s", flush=True
+            )
+    return {
+        "benchmark": "server overhead --cuts: one guess_number-shaped step, cut three ways",
+        "runs": rows,
+        "step": {"datums": len(data), "tokens": sum(int(d.tokens.numel()) for d in data)},
+        "environment": environment(dtype),
+    }
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -233,6 +311,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--batch-window-ms", type=float, default=5.0, help="the server's (the CLI's default)"
+    )
+    parser.add_argument(
+        "--cuts",
+        action="store_true",
+        help="no server: the datums straight into a trainer as one call, per episode, and in "
+        "the round budget's fair-share chunks (the diagnosis)",
     )
     args = parser.parse_args(argv)
     for name in ("repeats", "groups", "group_size", "turns", "prompt", "observation", "rank"):
@@ -465,8 +549,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
-    result = run(args)
-    print_table(result)
+    if args.cuts:
+        result = run_cuts(args)
+    else:
+        result = run(args)
+        print_table(result)
     if args.json is not None:
         from lorafleet.fsio import atomic_write_bytes, ensure_private_dir
 
