@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -469,3 +470,49 @@ def test_the_cli_default_solo_budget_is_the_configs():
     assert parser.parse_args([*args, "--solo-round-token-budget", "0"]).solo_round_token_budget == 0
     with pytest.raises(SystemExit):
         parser.parse_args([*args, "--solo-round-token-budget", "-5"])
+
+
+class _SamplingExecutor(_ChunkExecutor):
+    """A sample that stays in the sampler's batch until the first training batch has run."""
+
+    def __init__(self):
+        super().__init__()
+        from concurrent.futures import Future
+
+        self.sample: Future = Future()
+
+    def start_sample(self, ops):
+        from lorafleet.server.ops.scheduler import PendingSample
+
+        return [PendingSample(self.sample, lambda result: Result.json({})) for _ in ops]
+
+    def run_train(self, chunks):
+        out = super().run_train(chunks)
+        if not self.sample.done():
+            self.sample.set_result(None)
+        return out
+
+    def step_sampler(self):
+        return True
+
+
+def test_a_neighbour_sampling_keeps_the_round_budget():
+    executor, futures = _SamplingExecutor(), _Futures()
+    scheduler = _scheduler(
+        futures, round_token_budget=100, solo_round_token_budget=1000, solo_after_s=0.0
+    )
+    scheduler.register_model("big")
+    scheduler.start(lambda: executor)
+    try:
+        scheduler.submit(job("S", "sample", "sampler"))
+        deadline = time.monotonic() + 10
+        while not scheduler._sampling:  # until the sample is in the sampler's batch
+            assert time.monotonic() < deadline, "the sample never reached the sampler"
+            time.sleep(0.01)
+        scheduler.submit(_fb("B1", "lone", "big", 1, [10] * 40))
+        futures.wait("B1", "S")
+    finally:
+        scheduler.stop()
+    rounds = _train_rounds(executor)
+    assert rounds[0] == [("big", 0, 10)]  # the sampling neighbour was present: 100 tokens
+    assert rounds[1] == [("big", 10, 40)]  # its sample done (solo_after_s 0): one lone round
