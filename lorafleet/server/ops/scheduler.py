@@ -10,6 +10,9 @@ model has run. Across models there is no order, which is what lets one round of 
    round-robin, a call too large for its tenant's turn running in chunks of its datums over
    several rounds (its gradients accumulate in the slot, as Tinker's calls do until optim_step;
    its result is combined once the last chunk ran, and the model's later seq_ids wait for that);
+   a tenant alone on the server gets rounds of `solo_round_token_budget` instead (`_alone`), since
+   the small budget only bounds other tenants' wait and each cut cost it the shared history of
+   its multi-turn datums;
 3. ONE optimizer call for every model whose head is now an optim_step (the fwd/bwd just run
    usually put it there);
 4. new samples join the sampler's running batch (continuous batching: requests that arrive
