@@ -232,6 +232,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_queued_ops=args.max_queued_ops,
         host=args.host,
         port=args.port,
+        public_url=args.public_url,
         engine=engine,
         torch_threads=args.torch_threads,
         batch_window_s=args.batch_window_ms / 1000.0,
@@ -450,6 +451,13 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--public-url",
+        default=None,
+        help="the base URL clients reach this server at (https://tinker.example.com), which "
+        "signed download links and archive redirects name; default http://<host>:<port> "
+        "(the request's Host header is never used)",
+    )
     parser.add_argument(
         "--data-dir", required=True, help="SQLite state and adapter files (created 0700)"
     )

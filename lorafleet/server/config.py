@@ -20,6 +20,9 @@ class ServerConfig:
     api_keys: list[str]
     host: str = "127.0.0.1"
     port: int = 8000
+    # the base URL signed links and redirects name (http/public_url.py), never the request's
+    # Host header; None: http://<host>:<port>
+    public_url: str | None = None
     engine: EngineConfig | None = None  # None: defaults for `base_model`
     # retrieve_future holds this long before try_again: the SDK's read timeout for it is 45 s
     # (tinker/lib/api_future_impl.py), and each early try_again costs the client a log line

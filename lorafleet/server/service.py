@@ -29,6 +29,7 @@ from lorafleet.server.console import Sources, build_console
 from lorafleet.server.engine.executor import Executor
 from lorafleet.server.http import schemas
 from lorafleet.server.http.aliases import Aliases
+from lorafleet.server.http.public_url import public_base_url
 from lorafleet.server.http.resources import Rest
 from lorafleet.server.http.sampling import Sampling
 from lorafleet.server.http.served import RequestLimits, ServedBase
@@ -243,7 +244,9 @@ class Service:
             quotas=self.quotas,
         )
         signer = UrlSigner(load_or_create_secret(self.data_dir))  # download links (signed_urls.py)
-        self.sessions = Sessions(self.store, ownership, engine, signer)
+        # what links and redirects name: the configured address, never a request's Host
+        public_url = public_base_url(config.public_url, config.host, config.port)
+        self.sessions = Sessions(self.store, ownership, engine, signer, public_url)
         self.training = Training(
             ownership, self.intake, self.served, max_body_bytes=config.max_body_bytes
         )
@@ -260,7 +263,14 @@ class Service:
             self.executor.sampler.features,
         )
         self.rest = Rest(
-            self.store, ownership, engine, self.served, signer, self.data_dir, self.quotas
+            self.store,
+            ownership,
+            engine,
+            self.served,
+            signer,
+            self.data_dir,
+            self.quotas,
+            public_url=public_url,
         )
         self.usage = Usage(
             self.store,
