@@ -31,6 +31,7 @@ from lorafleet.server.console.sessions import COOKIE, CSRF_HEADER, ConsoleSessio
 from lorafleet.server.console.sse import EventStreams
 from lorafleet.server.console.views import ConsoleViews
 from lorafleet.server.errors import Unauthorized, UserError
+from lorafleet.server.http.text_check import check_text
 from lorafleet.server.ops.run_metrics import MAX_STEP
 from lorafleet.server.state.keys import Tenant
 
@@ -139,6 +140,7 @@ async def _sign_in_key(request: Request) -> str:
             data = json.loads(body or b"null")
         except ValueError:
             data = None
+        check_text(body, data)  # a key that is not text: 400 naming it, not a 500 at hashing
         key = data.get("key") if isinstance(data, dict) else None
     elif kind == "application/x-www-form-urlencoded":
         values = parse_qs(body.decode("utf-8", "replace")).get("key")
@@ -248,6 +250,7 @@ def add_routes(app: FastAPI, console: Console) -> None:
             parsed = json.loads(body or b"null")
         except ValueError:
             raise UserError('body must be JSON {"ttl_seconds": int | null}') from None
+        check_text(body, parsed)
         views.set_ttl(tenant, run_id, checkpoint_id, parsed)
         return _json({})
 
