@@ -9,7 +9,7 @@ from typing import Any
 
 from lorafleet.engines import EngineConfig
 from lorafleet.server.http import resource_json, schemas
-from lorafleet.server.http.served import RequestLimits
+from lorafleet.server.http.served import RequestLimits, prompt_bytes_cap
 from lorafleet.server.ops.scheduler import DEFAULT_ROUND_TOKENS
 
 
@@ -50,6 +50,10 @@ class ServerConfig:
     # as Python objects until it is encoded, several times this (docs/reliability.md)
     max_response_bytes: int = 6 << 20
     max_topk_logprobs: int = 20  # topk_sample/topk_prompt_logprobs (see served.RequestLimits)
+    # the bytes of text one request may hand the tokenizer: an OpenAI prompt, a chat's messages
+    # together, the chat template's output; checked before the tokenizer runs. None:
+    # PROMPT_BYTES_PER_TOKEN per token of the base's context (at least MIN_PROMPT_BYTES)
+    max_prompt_bytes: int | None = None
     torch_threads: int | None = None
     # finished results: in memory up to this many bytes in all (newest kept)...
     results_memory_bytes: int = 64 << 20
@@ -86,8 +90,9 @@ class ServerConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def request_limits(config: ServerConfig) -> RequestLimits:
+def request_limits(config: ServerConfig, context_length: int | None = None) -> RequestLimits:
     return RequestLimits(
+        max_prompt_bytes=prompt_bytes_cap(config.max_prompt_bytes, context_length),
         max_num_samples=config.max_num_samples,
         max_response_bytes=config.max_response_bytes,
         max_topk_logprobs=config.max_topk_logprobs,

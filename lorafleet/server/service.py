@@ -227,7 +227,11 @@ class Service:
     def _build_handlers(self) -> None:
         """The parts the routes call; none of them starts a thread or holds a resource."""
         config = self.config
-        self.served = served_base(self.executor, request_limits(config), config.tokenizer_cache)
+        self.served = served_base(
+            self.executor,
+            request_limits(config, self.executor.context_length),
+            config.tokenizer_cache,
+        )
         self.started_at = time.time()
         engine = EngineCalls(self.scheduler, self.executor)
         ownership = Ownership(self.store)
