@@ -54,6 +54,9 @@ class ServerConfig:
     # together, the chat template's output; checked before the tokenizer runs. None:
     # PROMPT_BYTES_PER_TOKEN per token of the base's context (at least MIN_PROMPT_BYTES)
     max_prompt_bytes: int | None = None
+    # texts (system prompts) whose KV every tenant's prompts may share in the prefix cache;
+    # everything else is cached per tenant (sample/prefix_cache.py)
+    public_prefixes: list[str] = field(default_factory=list)
     torch_threads: int | None = None
     # finished results: in memory up to this many bytes in all (newest kept)...
     results_memory_bytes: int = 64 << 20

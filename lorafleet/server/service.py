@@ -94,6 +94,17 @@ def build_executor(
     )
 
 
+def public_prefix_tokens(text: Text, prefixes: list[str]) -> tuple[tuple[int, ...], ...]:
+    """The operator's public prefixes as the token ids prompts start with (no special tokens
+    added: a chat template's own markers are part of the declared text when they should be)."""
+    if not prefixes:
+        return ()
+    tokenizer = text.tokenizer()
+    return tuple(
+        tuple(int(t) for t in tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prefixes
+    )
+
+
 def served_base(
     executor: Executor, limits: RequestLimits, tokenizer_cache: Path | None = None
 ) -> ServedBase:
@@ -257,12 +268,16 @@ class Service:
         self.sampling = Sampling(self.store, ownership, self.intake, self.served)
         # the OpenAI-compatible routes: the same intake and sampler, model names via aliases
         self.aliases = Aliases(self.store, ownership, self.served)
+        text = Text(self.served.base_path)
+        self.executor.sample_batches.public_prefixes = public_prefix_tokens(
+            text, config.public_prefixes
+        )
         self.completions = Completions(
             self.intake,
             self.futures,
             Models(self.store, ownership, self.served, self.aliases),
             self.served,
-            Text(self.served.base_path),
+            text,
             config.long_poll_s,
             self.executor.sampler.features,
         )
