@@ -89,6 +89,13 @@ class ServerConfig:
     console_streams: int = 64
     console_streams_per_session: int = 4
     console_streams_per_tenant: int = 16  # one tenant's sessions together
+    # of `console_streams`, the last places kept for operators, and before them for tenants
+    # holding no stream yet (console/sse.py): filled per-tenant bounds lock nobody out
+    console_operator_streams: int = 4
+    console_newcomer_streams: int = 8
+    # the share of wall time (of one core) the console's snapshots may take, all streams
+    # together; more streams stretch each one's cadence instead
+    console_cpu_share: float = 0.1
     console_refresh_s: float = 1.0
     extra: dict[str, Any] = field(default_factory=dict)
 

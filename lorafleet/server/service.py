@@ -320,6 +320,9 @@ class Service:
             streams=config.console_streams,
             streams_per_session=config.console_streams_per_session,
             streams_per_tenant=config.console_streams_per_tenant,
+            operator_streams=config.console_operator_streams,
+            newcomer_streams=config.console_newcomer_streams,
+            cpu_share=config.console_cpu_share,
             refresh_s=config.console_refresh_s,
         )
         self._engine = engine

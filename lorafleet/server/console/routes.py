@@ -262,15 +262,15 @@ def add_routes(app: FastAPI, console: Console) -> None:
 
     @app.get(f"{CONSOLE_API}/events")
     async def events(request: Request) -> StreamingResponse:
-        session, _ = _signed_in(console, request)
+        session, tenant = _signed_in(console, request)
         # on a worker thread: checking the view builds it once (a run's curves, the fleet)
         snapshot = await run_in_threadpool(
             _snapshot, views, lambda: console.sessions.get(session.id)[1], request
         )
-        console.streams.check(session)
+        console.streams.check(session, tenant.operator)
         headers = {**HEADERS, "X-Accel-Buffering": "no"}
         return StreamingResponse(
-            console.streams.stream(session, snapshot),
+            console.streams.stream(session, snapshot, tenant.operator),
             media_type="text/event-stream",
             headers=headers,
         )
@@ -293,8 +293,38 @@ def _snapshot(
     if run is None:
         return lambda: {"overview": views.overview(current())}
     views.run(current(), run)  # another tenant's run: 404 now
-    return lambda: _run_snapshot(views, current(), run)
+    return RunSnapshot(views, current, run)
 
 
-def _run_snapshot(views: ConsoleViews, tenant: Tenant, run: str) -> dict[str, Any]:
-    return {"overview": views.overview(tenant), "run": views.run(tenant, run)}
+class RunSnapshot:
+    """One stream's view of a run: the whole curves first, then only the points after those
+    already sent (`series_delta`, which the page appends): a run with 31 curves of 1,000
+    points costs each stream a few new points a look, not 31,000. Points are asked for after
+    the lowest last step sent over the curves (the page drops what it already holds); a curve
+    that was not there before, or is older than that, is sent whole again with the rest
+    (`series`), so a late-posted curve is never missed."""
+
+    def __init__(self, views: ConsoleViews, current: Callable[[], Tenant], run: str):
+        self.views = views
+        self.current = current
+        self.run = run
+        self.last: dict[tuple[str, str], int] | None = None  # (name, source) -> last step sent
+
+    def __call__(self) -> dict[str, Any]:
+        tenant = self.current()
+        after = -1 if not self.last else min(self.last.values())
+        view = self.views.run(tenant, self.run, after_step=after)
+        series: list[dict[str, Any]] = view.pop("series")
+        fresh = self.last is None or any(
+            (curve["name"], curve["source"]) not in self.last for curve in series
+        )
+        if fresh and after >= 0:  # a new curve: its older points are needed too
+            series = self.views.run(tenant, self.run)["series"]
+        last = {} if fresh or self.last is None else dict(self.last)
+        for curve in series:
+            if curve["points"]:
+                curve_key = (curve["name"], curve["source"])
+                last[curve_key] = max(last.get(curve_key, -1), int(curve["points"][-1][0]))
+        self.last = last
+        field = "series" if fresh else "series_delta"
+        return {"overview": self.views.overview(tenant), "run": {**view, field: series}}
