@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -260,12 +262,14 @@ def add_routes(app: FastAPI, console: Console) -> None:
         await asyncio.wrap_future(views.delete(tenant, run_id, checkpoint_id))
         return _json({})
 
+    shared = SharedRunViews()  # run views the streams on one run share (SharedRunViews)
+
     @app.get(f"{CONSOLE_API}/events")
     async def events(request: Request) -> StreamingResponse:
         session, tenant = _signed_in(console, request)
         # on a worker thread: checking the view builds it once (a run's curves, the fleet)
         snapshot = await run_in_threadpool(
-            _snapshot, views, lambda: console.sessions.get(session.id)[1], request
+            _snapshot, views, lambda: console.sessions.get(session.id)[1], request, shared
         )
         console.streams.check(session, tenant.operator)
         headers = {**HEADERS, "X-Accel-Buffering": "no"}
@@ -277,7 +281,10 @@ def add_routes(app: FastAPI, console: Console) -> None:
 
 
 def _snapshot(
-    views: ConsoleViews, current: Callable[[], Tenant], request: Request
+    views: ConsoleViews,
+    current: Callable[[], Tenant],
+    request: Request,
+    shared: SharedRunViews,
 ) -> Callable[[], dict[str, Any]]:
     """What one stream sends: `?view=tenant` (the overview, and `&run=<id>` that run's curves
     and checkpoints) or `?view=operator`. `current` gives the session's tenant as the tenants
@@ -292,8 +299,36 @@ def _snapshot(
         raise UserError(f"view must be 'tenant' or 'operator', got {view!r:.40}")
     if run is None:
         return lambda: {"overview": views.overview(current())}
-    views.run(current(), run)  # another tenant's run: 404 now
-    return RunSnapshot(views, current, run)
+    views.check_run(current(), run)  # another tenant's run: 404 now (without building it)
+    return RunSnapshot(views, current, run, shared)
+
+
+class SharedRunViews:
+    """Run views built in the last `max_age_s`, shared by the streams watching the same run
+    from the same point: 64 tabs opened on one run build its 31,000 points once, not 64 times.
+    Keyed by tenant, so a view is only ever handed to the tenant it was built for."""
+
+    def __init__(self, max_age_s: float = 0.5, max_entries: int = 256):
+        self.max_age_s = max_age_s
+        self.max_entries = max_entries
+        self._lock = threading.Lock()
+        self._views: dict[tuple[str, str, int], tuple[float, dict[str, Any]]] = {}
+
+    def get(self, views: ConsoleViews, tenant: Tenant, run: str, after: int) -> dict[str, Any]:
+        key = (tenant.id, run, after)
+        now = time.monotonic()
+        with self._lock:
+            hit = self._views.get(key)
+            if hit is not None and now - hit[0] <= self.max_age_s:
+                return dict(hit[1])
+        view = views.run(tenant, run, after_step=after)
+        with self._lock:
+            if len(self._views) >= self.max_entries:
+                self._views = {k: v for k, v in self._views.items() if now - v[0] <= self.max_age_s}
+                if len(self._views) >= self.max_entries:
+                    self._views.clear()
+            self._views[key] = (time.monotonic(), view)
+        return dict(view)
 
 
 class RunSnapshot:
@@ -304,7 +339,14 @@ class RunSnapshot:
     that was not there before, or is older than that, is sent whole again with the rest
     (`series`), so a late-posted curve is never missed."""
 
-    def __init__(self, views: ConsoleViews, current: Callable[[], Tenant], run: str):
+    def __init__(
+        self,
+        views: ConsoleViews,
+        current: Callable[[], Tenant],
+        run: str,
+        shared: SharedRunViews | None = None,
+    ):
+        self.shared = shared or SharedRunViews(max_age_s=0.0)
         self.views = views
         self.current = current
         self.run = run
@@ -313,13 +355,13 @@ class RunSnapshot:
     def __call__(self) -> dict[str, Any]:
         tenant = self.current()
         after = -1 if not self.last else min(self.last.values())
-        view = self.views.run(tenant, self.run, after_step=after)
+        view = self.shared.get(self.views, tenant, self.run, after)
         series: list[dict[str, Any]] = view.pop("series")
         fresh = self.last is None or any(
             (curve["name"], curve["source"]) not in self.last for curve in series
         )
         if fresh and after >= 0:  # a new curve: its older points are needed too
-            series = self.views.run(tenant, self.run)["series"]
+            series = self.shared.get(self.views, tenant, self.run, -1)["series"]
         last = {} if fresh or self.last is None else dict(self.last)
         for curve in series:
             if curve["points"]:

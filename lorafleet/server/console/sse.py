@@ -35,6 +35,9 @@ from lorafleet.server.errors import ApiError, UserError
 log = logging.getLogger(__name__)
 
 
+MAX_PAUSE_S = 5.0  # the longest idle time one build imposes on the next
+
+
 class TooManyStreams(UserError):
     status = 429
 
@@ -155,7 +158,10 @@ class EventStreams:
                 took = time.monotonic() - started
                 self.builds += 1
                 self.build_seconds += took
-                self._next_build = time.monotonic() + took * (1 / self.cpu_share - 1)
+                # at most MAX_PAUSE_S: one build slowed by a busy machine must not stall
+                # every stream for minutes
+                pause = min(took * (1 / self.cpu_share - 1), MAX_PAUSE_S)
+                self._next_build = time.monotonic() + pause
 
     async def stream(
         self,
