@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 
-from lorafleet.server.console.routes import RunSnapshot
 from lorafleet.server.console.sessions import ConsoleSessions
 from lorafleet.server.console.sse import EventStreams, TooManyStreams
 from lorafleet.server.state.keys import Tenant, hash_key
@@ -128,6 +127,8 @@ class _Views:
 
 
 def test_a_runs_curves_go_out_as_deltas():
+    from lorafleet.server.console.routes import RunSnapshot
+
     views = _Views()
     views.points[("loss", "server")] = [[s, 1.0 / (s + 1)] for s in range(1000)]
     views.points[("reward", "client")] = [[s, float(s)] for s in range(1000)]
