@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+import pytest
 import torch
 from tinker import types
 
@@ -91,3 +92,43 @@ def test_another_tenants_right_guess_hits_nothing_and_counters_are_per_tenant(
     total = server.service.stats()["prefix_cache"]
     assert total["hit_tokens"] >= 608 and len(total["tenants"]) >= 2
     assert "tenants" not in own_view(server.service.stats(), "someone")["prefix_cache"]
+
+
+def test_a_declared_public_prefix_is_shared_and_the_rest_is_not(server, client_a, client_b):
+    model = server.service.served.names[0]
+    system = [(11 * i + 5) % 480 + 10 for i in range(100)]  # 6 full blocks of 16, and 4
+    batches = server.service.executor.sample_batches
+    saved = batches.public_prefixes
+    batches.public_prefixes = (tuple(system),)
+    try:
+        tail_a = [(13 * i + 1) % 480 + 10 for i in range(60)]
+        _sample(client_a, model, system + tail_a)
+        before = _stats(server, KEY_B)
+        _sample(client_b, model, system + tail_a)  # the same whole prompt as A's
+        hits = _stats(server, KEY_B)["hit_tokens"] - before["hit_tokens"]
+        assert hits == 96  # the public prefix's full blocks, none of A's own after them
+    finally:
+        batches.public_prefixes = saved
+
+
+def test_serve_reads_public_prefix_files(tmp_path):
+    from lorafleet.cli import _read_text, build_parser
+
+    path = tmp_path / "system.txt"
+    path.write_text("<|im_start|>system\nYou are helpful.<|im_end|>\n", encoding="utf-8")
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--base-model",
+            "tiny-qwen3",
+            "--data-dir",
+            str(tmp_path),
+            "--public-prefix",
+            str(path),
+            "--public-prefix",
+            str(path),
+        ]
+    )
+    assert [_read_text(p, "--public-prefix") for p in args.public_prefix] == [path.read_text()] * 2
+    with pytest.raises(SystemExit, match="--public-prefix"):
+        _read_text(str(tmp_path / "missing.txt"), "--public-prefix")
