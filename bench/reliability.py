@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench import reliability_channels
 from bench.common import environment, fixed_dtype
 
 REQUIRED = (
@@ -60,6 +61,7 @@ PART_OF = {
     "disk_full_recovered": "disk_full",
     "checkpoints_lost_on_move": "moved_dir",
     "peak_rss_growth_mb": "big_request",
+    **reliability_channels.FIGURES,
 }  # the part whose run a summary figure comes from (only those that ran are printed)
 
 
@@ -77,7 +79,18 @@ def _args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--only",
-        default="load,crash,fuzz,security,disk_full,moved_dir,big_request",
+        default=",".join(
+            [
+                "load",
+                "crash",
+                "fuzz",
+                "security",
+                "disk_full",
+                "moved_dir",
+                "big_request",
+                *list(reliability_channels.PHASES),
+            ]
+        ),
         help="comma-separated parts to run",
     )
     parser.add_argument(
@@ -262,6 +275,8 @@ def main() -> int:
             )
         )
 
+    reliability_channels.run_phases(parts, workdir, args.seed, out, rows, _log)
+
     load_out, crash_out, fuzz_out, sec_out = (
         out.get(k, {}) for k in ("load", "crash", "fuzz", "security")
     )
@@ -300,7 +315,11 @@ def main() -> int:
             )
     print(
         "\n"
-        + ", ".join(f"{k}={out[k]}" for k in REQUIRED if PART_OF[k] in parts)
+        + ", ".join(
+            f"{k}={out[k]}"
+            for k in (*REQUIRED, *reliability_channels.FIGURES)
+            if PART_OF[k] in parts
+        )
         + (f" (of {out['crash_cycles']} crash cycles)" if "crash" in parts else "")
     )
     if args.json is not None:

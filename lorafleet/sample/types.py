@@ -68,6 +68,11 @@ class SampleRequest:
     target_prompt_logprobs: torch.Tensor | None = None
     prompt_alt_tokens_k: int = 0  # draws per prompt position (see PromptAltTokens)
     on_token: TokenHook | None = None  # progress, optional (see TokenHook)
+    # Whose prompt this is, for the prefix cache (prefix_cache.py): its blocks are found only by
+    # requests with the same salt, except within one of `public_prefixes` (token ids declared
+    # shareable, e.g. an operator's system prompt). "": shared with every unsalted request.
+    cache_salt: str = ""
+    public_prefixes: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
