@@ -53,6 +53,7 @@ from lorafleet.server.state import recovery
 from lorafleet.server.state.disk import DiskGuard
 from lorafleet.server.state.keys import Tenant
 from lorafleet.server.state.ownership import Ownership
+from lorafleet.server.state.stability import StabilityPolicy
 from lorafleet.server.state.store import CheckpointRow, Store
 from lorafleet.server.state.tenants import Reloader, Tenancy, TenantsConfig, load_tenants_file
 
@@ -244,10 +245,15 @@ class Service:
         )
         signer = UrlSigner(load_or_create_secret(self.data_dir))  # download links (signed_urls.py)
         self.sessions = Sessions(self.store, ownership, engine, signer)
+        stability_policy = StabilityPolicy(config.stability_ttl_s, config.stability_quota_bytes)
         self.training = Training(
-            ownership, self.intake, self.served, max_body_bytes=config.max_body_bytes
+            ownership,
+            self.intake,
+            self.served,
+            max_body_bytes=config.max_body_bytes,
+            stability_policy=stability_policy,
         )
-        self.sampling = Sampling(self.store, ownership, self.intake, self.served)
+        self.sampling = Sampling(self.store, ownership, self.intake, self.served, stability_policy)
         # the OpenAI-compatible routes: the same intake and sampler, model names via aliases
         self.aliases = Aliases(self.store, ownership, self.served)
         self.completions = Completions(
@@ -336,8 +342,8 @@ class Service:
 
     def maintain(self) -> None:
         """Drops old future results, unloads the models of clients that stopped heartbeating
-        (a crashed client never calls finish, and its adapter slots would stay taken) and
-        deletes checkpoints past their TTL."""
+        (a crashed client never calls finish, and its adapter slots would stay taken), deletes
+        stability records unused for their TTL and checkpoints past theirs."""
         now = time.time()
         self.store.futures.prune(now - self.config.future_ttl_s)
         self.futures.prune_stored()
@@ -345,6 +351,7 @@ class Service:
         self.sessions.expire_stale(
             now - self.config.session_timeout_s, self.config.session_timeout_s
         )
+        self.store.stability_records.delete_unused_since(now - self.config.stability_ttl_s)
         self._delete_expired(now)
 
     def _delete_expired(self, now: float) -> None:

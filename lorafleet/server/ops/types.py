@@ -252,6 +252,15 @@ class PromptTargets:
 
 
 @dataclass(frozen=True)
+class Recording:
+    """A sample taken with `record_stability_info=true`: whose session its record belongs to
+    and the tenant's record quota in bytes (server/state/stability.py)."""
+
+    session_id: str
+    quota_bytes: int
+
+
+@dataclass(frozen=True)
 class Sample:
     prompt: list[int]
     params: SamplingParams
@@ -264,6 +273,7 @@ class Sample:
     checkpoint_path: str | None  # tinker path whose files back `adapter` (None: ephemeral)
     targets: PromptTargets | None = None
     alt_k: int = 0  # prompt_alt_tokens_k
+    record: Recording | None = None  # record_stability_info: keep a stability record
     # Progress for a streaming caller (the OpenAI routes); never part of the request's identity.
     on_token: TokenHook | None = field(default=None, compare=False, repr=False)
 
