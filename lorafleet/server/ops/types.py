@@ -56,7 +56,8 @@ class Quota(Enum):
 class Meter(Enum):
     """Usage counters besides compute seconds, which every op's batch shares (metering.py)."""
 
-    PREFILL_TOKENS = "prefill_tokens"
+    PREFILL_TOKENS = "prefill_tokens"  # prompt tokens computed
+    CACHED_PREFILL_TOKENS = "cached_prefill_tokens"  # prompt tokens read from the prefix cache
     SAMPLED_TOKENS = "sampled_tokens"
     TRAINED_TOKENS = "trained_tokens"
     OPTIMIZER_STEPS = "optimizer_steps"
@@ -281,7 +282,9 @@ class Sample:
     stage: ClassVar[Stage] = Stage.SAMPLE
     writes_disk: ClassVar[bool] = False
     quota: ClassVar[Quota] = Quota.SAMPLED_TOKENS
-    meters: ClassVar[frozenset[Meter]] = frozenset({Meter.PREFILL_TOKENS, Meter.SAMPLED_TOKENS})
+    meters: ClassVar[frozenset[Meter]] = frozenset(
+        {Meter.PREFILL_TOKENS, Meter.CACHED_PREFILL_TOKENS, Meter.SAMPLED_TOKENS}
+    )
 
 
 # --------------------------------------------------------------------------- the union
