@@ -9,10 +9,12 @@ from __future__ import annotations
 import math
 import time
 
+import httpx
 import numpy as np
 import pytest
 import tinker
 from tinker import types
+from tinker.proto import tinker_public_pb2 as pb
 
 from lorafleet.server.main import ServerThread
 from lorafleet.server.state.stability import StabilityPolicy
@@ -255,3 +257,68 @@ def test_a_restart_keeps_a_live_sessions_records(tmp_path):
         client.close("success").result(timeout=30)
     finally:
         second.stop()
+
+
+# --------------------------------------------------------------------------- JSON bodies
+
+
+def json_datum(seq, span_style: str) -> dict:
+    """provenance_datum as a JSON forward_backward body's datum."""
+    sampled = list(seq.tokens)
+    pad = len(PROMPT) - 1
+
+    def span(kind: str, offset: int, length: int) -> dict:
+        body = {"sequence_id": seq.sequence_id, "offset": offset, "length": length}
+        return {"type": kind, **body} if span_style == "type" else {f"{kind}_tokens": body}
+
+    return {
+        "model_input": {"chunks": [{"type": "encoded_text", "tokens": PROMPT + sampled[:-1]}]},
+        "loss_fn_inputs": {
+            "target_tokens": {"data": [0] * pad + sampled, "dtype": "int64"},
+            "logprobs": {"data": [0.0] * (pad + len(sampled)), "dtype": "float32"},
+            "advantages": {"data": [0.0] * pad + [1.0] * len(sampled), "dtype": "float32"},
+        },
+        "model_input_spans": [span("prompt", 0, len(PROMPT)), span("sampled", 0, len(sampled) - 1)],
+        "loss_fn_input_spans": [span("prompt", 1, pad), span("sampled", 0, len(sampled))],
+    }
+
+
+def post_json_forward(server, model_id: str, seq_id: int, data: list[dict]) -> httpx.Response:
+    """A JSON forward (stable_reinforce) and its result, polled as the SDK polls."""
+    headers = {"X-API-Key": KEY_A}
+    body = {
+        "model_id": model_id,
+        "seq_id": seq_id,
+        "forward_input": {"data": data, "loss_fn": "stable_reinforce"},
+    }
+    url = f"{server.base_url}/api/v1"
+    promise = httpx.post(f"{url}/forward_backward", json=body, headers=headers, timeout=30)
+    assert promise.status_code == 200, promise.text
+    while True:
+        out = httpx.post(
+            f"{url}/retrieve_future",
+            json={"request_id": promise.json()["request_id"]},
+            headers=headers,
+            timeout=60,
+        )
+        if out.headers["content-type"].startswith("application/json"):
+            if out.json().get("type") == "try_again":
+                continue
+        return out
+
+
+@pytest.mark.parametrize("span_style", ["type", "proto"])
+def test_json_bodies_carry_provenance_and_are_checked(client_a, base_model, server, span_style):
+    tc = client_a.create_lora_training_client(base_model=base_model, rank=4, seed=22).result()
+    (seq,) = sample(recording_sampler(client_a, base_model), 1)
+    ok = post_json_forward(server, tc.model_id, 1, [json_datum(seq, span_style)])
+    assert ok.headers["content-type"] == "application/x-protobuf"
+    metrics = pb.ForwardBackwardOutput.FromString(ok.content).metrics
+    assert metrics["sequences:sum"] == 1 and metrics["active_tokens:sum"] == len(seq.tokens)
+    bad = json_datum(seq, span_style)
+    bad["model_input"]["chunks"][0]["tokens"][len(PROMPT)] += 1  # the first sampled token
+    refused = post_json_forward(server, tc.model_id, 2, [json_datum(seq, span_style), bad])
+    error = refused.json()
+    assert error["category"] == "user"
+    assert f"data[1]: model_input position {len(PROMPT)}" in error["error"]
+    assert f"expected {seq.tokens[0]}, given {seq.tokens[0] + 1}" in error["error"]

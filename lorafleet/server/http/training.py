@@ -15,7 +15,7 @@ from typing import Any
 from tinker.proto import tinker_public_pb2 as pb
 
 from lorafleet.server.errors import ApiError, UserError
-from lorafleet.server.http import parse, proto, schemas
+from lorafleet.server.http import json_fwdbwd, parse, proto, schemas
 from lorafleet.server.http.served import ServedBase
 from lorafleet.server.ops.intake import Intake, Place
 from lorafleet.server.ops.types import (
@@ -100,6 +100,18 @@ class Training:
         kind = "forward" if msg.forward_only else "forward_backward"
         op = op_or_refusal(kind, lambda: self._with_provenance(tenant, row, msg))
         promise = self.intake.submit_to_model(tenant, row, msg.seq_id, op, parse.fingerprint(raw))
+        return promise.json()
+
+    def forward_backward_json(self, tenant: Tenant, body: Any) -> dict[str, Any]:
+        """The same call as a JSON body (json_fwdbwd.py): converted to the protobuf message
+        once its envelope names a model of the caller's, then checked exactly as protobuf."""
+        model_id, seq_id, forward_only = json_fwdbwd.envelope(body)
+        row = self.ownership.model(tenant, model_id)
+        kind = "forward" if forward_only else "forward_backward"
+        op = op_or_refusal(
+            kind, lambda: self._with_provenance(tenant, row, json_fwdbwd.to_proto(body))
+        )
+        promise = self.intake.submit_to_model(tenant, row, seq_id, op, parse.fingerprint(body))
         return promise.json()
 
     def _with_provenance(
