@@ -301,10 +301,9 @@ def post_json_forward(server, model_id: str, seq_id: int, data: list[dict]) -> h
             headers=headers,
             timeout=60,
         )
-        if out.headers["content-type"].startswith("application/json"):
-            if out.json().get("type") == "try_again":
-                continue
-        return out
+        is_json = out.headers["content-type"].startswith("application/json")
+        if not (is_json and out.json().get("type") == "try_again"):
+            return out
 
 
 @pytest.mark.parametrize("span_style", ["type", "proto"])
