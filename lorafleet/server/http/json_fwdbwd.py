@@ -67,9 +67,10 @@ def _span(value: Any, label: str, out: pb.ProvenanceSpan) -> None:
         if not isinstance(arm_json, dict):
             raise UserError(f"{label}.{kind}_tokens must be an object")
     else:
-        kind, arm_json = value.get("type"), value
-        if kind not in ("prompt", "sampled"):
-            raise UserError(f"{label}.type must be 'prompt' or 'sampled', got {kind!r}")
+        given, arm_json = value.get("type"), value
+        if given not in ("prompt", "sampled"):
+            raise UserError(f"{label}.type must be 'prompt' or 'sampled', got {given!r}")
+        kind = str(given)
     sequence_id = arm_json.get("sequence_id")
     if not isinstance(sequence_id, str) or not sequence_id:
         raise UserError(f"{label}.sequence_id must be a non-empty string, got {sequence_id!r}")
