@@ -48,12 +48,12 @@ from lorafleet.server.ops.metering import Metering
 from lorafleet.server.ops.quotas import Quotas
 from lorafleet.server.ops.run_metrics import RunMetrics
 from lorafleet.server.ops.scheduler import Scheduler
+from lorafleet.server.ops.stability import StabilityPolicy
 from lorafleet.server.ops.types import Job, Stage
 from lorafleet.server.state import recovery
 from lorafleet.server.state.disk import DiskGuard
 from lorafleet.server.state.keys import Tenant
 from lorafleet.server.state.ownership import Ownership
-from lorafleet.server.state.stability import StabilityPolicy
 from lorafleet.server.state.store import CheckpointRow, Store
 from lorafleet.server.state.tenants import Reloader, Tenancy, TenantsConfig, load_tenants_file
 

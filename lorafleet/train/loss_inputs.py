@@ -62,7 +62,7 @@ STABLE_REINFORCE = "stable_reinforce"
 SAMPLED_SEQUENCE = "sampled_sequence"
 """stable_reinforce's per-token segment ids: 0 where the target is not a recorded sampled
 token, k >= 1 for the tokens of the datum's k-th sampled run (one sequence's tokens). A server
-sets it from the provenance spans (server/state/stability.py); library callers pass it."""
+sets it from the provenance spans (server/ops/stability.py); library callers pass it."""
 STABLE_REINFORCE_DEFAULTS = MappingProxyType(
     {
         "token_clip": 2.0,

@@ -17,7 +17,7 @@ from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 
 from lorafleet.server.main import ServerThread
-from lorafleet.server.state.stability import StabilityPolicy
+from lorafleet.server.ops.stability import StabilityPolicy
 from tests.server.conftest import KEY_A, connect, server_config
 
 PROMPT = [5, 17, 33, 8, 90, 41]

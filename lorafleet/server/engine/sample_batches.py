@@ -23,10 +23,11 @@ from lorafleet.server.errors import (
     exception_text,
     strip_paths,
 )
+from lorafleet.server.ops import stability
 from lorafleet.server.ops.futures import Result
 from lorafleet.server.ops.scheduler import PendingSample
 from lorafleet.server.ops.types import Job, Sample, sample_op
-from lorafleet.server.state import public_checkpoints, stability
+from lorafleet.server.state import public_checkpoints
 from lorafleet.server.state.retention import VersionKey
 from lorafleet.server.state.store import Store
 

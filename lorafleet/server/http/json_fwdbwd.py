@@ -1,6 +1,6 @@
 """A JSON forward_backward body into the protobuf `ForwardBackwardRequest` the rest of the server
 reads (proto.py), so that JSON clients (SDKs before 0.25, curl, other languages) get exactly
-the protobuf path's checks, including provenance spans (state/stability.py).
+the protobuf path's checks, including provenance spans (ops/stability.py).
 
 The JSON shape is the SDK's pydantic one: `{"model_id", "seq_id", "forward_backward_input":
 {"data": [Datum], "loss_fn", "loss_fn_config"?}, "forward_only"?}` (`forward_input` for a

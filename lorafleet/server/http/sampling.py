@@ -9,13 +9,14 @@ from typing import Any
 from lorafleet.server.errors import ApiError, Conflict, UserError
 from lorafleet.server.http import parse, schemas
 from lorafleet.server.http.served import ServedBase
+from lorafleet.server.ops import stability
 from lorafleet.server.ops.intake import Intake, Place
+from lorafleet.server.ops.stability import StabilityPolicy
 from lorafleet.server.ops.types import Op, Recording, Refused, Sample
-from lorafleet.server.state import ids, stability
+from lorafleet.server.state import ids
 from lorafleet.server.state.keys import Tenant
 from lorafleet.server.state.ownership import Ownership
 from lorafleet.server.state.paths import parse_tinker_path
-from lorafleet.server.state.stability import StabilityPolicy
 from lorafleet.server.state.store import SamplingSessionRow, Store
 
 

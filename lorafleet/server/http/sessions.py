@@ -153,7 +153,7 @@ class Sessions:
 
     def _unload_models(self, session_id: str, why: str) -> None:
         """A finished session's models leave their slots, and its stability records go: they
-        can only be trained on by its models (state/stability.py)."""
+        can only be trained on by its models (ops/stability.py)."""
         self.store.stability_records.delete_of_session(session_id)
         models = [
             m.model_id for m in self.store.models.of_session(session_id) if m.status == "active"

@@ -17,7 +17,9 @@ from tinker.proto import tinker_public_pb2 as pb
 from lorafleet.server.errors import ApiError, UserError
 from lorafleet.server.http import json_fwdbwd, parse, proto, schemas
 from lorafleet.server.http.served import ServedBase
+from lorafleet.server.ops import stability
 from lorafleet.server.ops.intake import Intake, Place
+from lorafleet.server.ops.stability import StabilityPolicy
 from lorafleet.server.ops.types import (
     CreateFromState,
     Forward,
@@ -27,11 +29,10 @@ from lorafleet.server.ops.types import (
     Refused,
     SaveExternal,
 )
-from lorafleet.server.state import external_weights, ids, stability
+from lorafleet.server.state import external_weights, ids
 from lorafleet.server.state.keys import Tenant
 from lorafleet.server.state.ownership import Ownership
 from lorafleet.server.state.paths import checkpoint_name, parse_tinker_path
-from lorafleet.server.state.stability import StabilityPolicy
 from lorafleet.server.state.store import ModelRow
 from lorafleet.train.loss_inputs import STABLE_REINFORCE
 

@@ -255,7 +255,7 @@ class PromptTargets:
 @dataclass(frozen=True)
 class Recording:
     """A sample taken with `record_stability_info=true`: whose session its record belongs to
-    and the tenant's record quota in bytes (server/state/stability.py)."""
+    and the tenant's record quota in bytes (server/ops/stability.py)."""
 
     session_id: str
     quota_bytes: int

@@ -9,7 +9,7 @@ answers for all of a request's sequences and the prompt is stored once, not once
 Rows belong to the tenant and the session that sampled them. `last_used` starts at the sample
 and moves forward each time a training request names one of the row's sequences; a row unused
 for the server's record TTL (a day) is expired. `size_bytes` is what the row costs against the
-tenant's record quota (server/state/stability.py; the table's statements are in
+tenant's record quota (server/ops/stability.py; the table's statements are in
 database.py's schema); insertion checks that quota in the same transaction, so
 concurrent samples cannot together pass it.
 """
