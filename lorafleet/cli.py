@@ -618,14 +618,16 @@ def _cmd_rl(args: argparse.Namespace) -> int:
     tasks = _cycle(args.tasks, n, str, "--tasks")
     lrs = _cycle(args.lr, n, float, "--lr")
     ranks = _cycle(args.rank, n, int, "--rank")
-    losses = _cycle(args.loss, n, str, "--loss")
+    losses: list[str | None] = (
+        [None] * n if args.loss is None else list(_cycle(args.loss, n, str, "--loss"))
+    )
     tenants = [
         TenantConfig(
             name=f"t{i}-{tasks[i].replace(':', '-')}",
             task=tasks[i],
             learning_rate=lrs[i],
             rank=ranks[i],
-            loss_fn=losses[i],
+            loss_fn=losses[i],  # type: ignore[arg-type]  # checked by TenantConfig.validate
             prompts_per_step=args.prompts,
             group_size=args.group_size,
             max_tokens=args.max_tokens,
@@ -650,6 +652,7 @@ def _cmd_rl(args: argparse.Namespace) -> int:
         torch_threads=args.torch_threads,
         rollout=rollout,
         device=args.device,
+        max_steps_off_policy=args.max_steps_off_policy,
     )
     if config.rollout is not None and config.base_url:
         raise SystemExit(
@@ -681,8 +684,15 @@ def _register_rl(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--rank", default="8", help="LoRA rank(s), comma list cycled over tenants")
     parser.add_argument(
         "--loss",
-        default="importance_sampling",
-        help="importance_sampling or ppo, comma list cycled",
+        default=None,
+        help="importance_sampling, ppo or stable_reinforce, comma list cycled (default: "
+        "importance_sampling; stable_reinforce with --max-steps-off-policy > 0)",
+    )
+    parser.add_argument(
+        "--max-steps-off-policy",
+        type=int,
+        default=0,
+        help="sampling runs up to K versions ahead of training, overlapping it (0: on-policy)",
     )
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--prompts", type=int, default=8, help="prompts per step per tenant")
