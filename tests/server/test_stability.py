@@ -321,3 +321,74 @@ def test_json_bodies_carry_provenance_and_are_checked(client_a, base_model, serv
     assert error["category"] == "user"
     assert f"data[1]: model_input position {len(PROMPT)}" in error["error"]
     assert f"expected {seq.tokens[0]}, given {seq.tokens[0] + 1}" in error["error"]
+
+
+# --------------------------------------------------------------------------- odd input
+
+
+def test_odd_spans_are_refused_naming_them(client_a, base_model, server):
+    tc = client_a.create_lora_training_client(base_model=base_model, rank=4, seed=23).result()
+    (seq,) = sample(recording_sampler(client_a, base_model), 1)
+    cases = []
+    past_end = json_datum(seq, "type")
+    past_end["loss_fn_input_spans"][1]["offset"] = 3  # sampled positions [3, 3 + n) do not exist
+    cases.append((past_end, "do not exist (it has"))
+    negative = json_datum(seq, "type")
+    negative["model_input_spans"][0]["offset"] = -1
+    cases.append((negative, "offset must be an integer >= 0"))
+    malformed = json_datum(seq, "proto")
+    malformed["model_input_spans"][1]["sampled_tokens"]["sequence_id"] = "no-colon"
+    cases.append((malformed, "has no stability record for this tenant"))
+    reserved = json_datum(seq, "type")
+    reserved["loss_fn_inputs"]["sampled_sequence"] = {
+        "data": [1.0] * len(reserved["loss_fn_inputs"]["advantages"]["data"]),
+        "dtype": "float32",
+    }
+    cases.append((reserved, "is set by this server from the provenance spans"))
+    one_sided = json_datum(seq, "type")
+    del one_sided["loss_fn_input_spans"]
+    cases.append((one_sided, "provenance comes as a pair"))
+    for seq_id, (datum, needle) in enumerate(cases, start=1):
+        out = post_json_forward(server, tc.model_id, seq_id, [datum])
+        assert needle in out.json()["error"], (needle, out.text)
+
+
+def test_recording_needs_a_sampling_session(server, base_model):
+    body = {
+        "base_model": base_model,
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": PROMPT}]},
+        "sampling_params": {"max_tokens": 2},
+        "num_samples": 1,
+        "record_stability_info": True,
+    }
+    out = httpx.post(
+        f"{server.base_url}/api/v1/asample", json=body, headers={"X-API-Key": KEY_A}, timeout=30
+    )
+    assert out.status_code == 400 and "sampling client of a session" in out.json()["error"]
+
+
+def test_concurrent_recording_samples_never_pass_the_quota(run, server, monkeypatch):
+    _, sampler = run
+    store = server.service.store.stability_records
+    (first,) = sample(sampler, 1)
+    record = store.get(first.sequence_id.rpartition(":")[0])
+    assert record is not None
+    one = 256 + 4 * len(PROMPT) + 8 * 5 + 4 * 2
+    quota = store.bytes_of_tenant(record.tenant) + 3 * one
+    monkeypatch.setattr(
+        server.service.sampling, "stability_policy", StabilityPolicy(quota_bytes=quota)
+    )
+    futures = []
+    for _ in range(8):
+        try:
+            futures.append(sampler.sample(types.ModelInput.from_ints(PROMPT), 1, PARAMS))
+        except tinker.APIStatusError as exc:
+            assert exc.status_code == 403
+    done = 0
+    for future in futures:
+        try:
+            future.result()
+            done += 1
+        except (tinker.RequestFailedError, tinker.APIStatusError) as exc:
+            assert "quota" in str(exc)
+    assert done <= 3 and store.bytes_of_tenant(record.tenant) <= quota
