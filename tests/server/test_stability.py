@@ -348,6 +348,10 @@ def test_odd_spans_are_refused_naming_them(client_a, base_model, server):
     one_sided = json_datum(seq, "type")
     del one_sided["loss_fn_input_spans"]
     cases.append((one_sided, "provenance comes as a pair"))
+    flood = json_datum(seq, "type")
+    empty = {"type": "sampled", "sequence_id": seq.sequence_id, "offset": 0, "length": 0}
+    flood["model_input_spans"] += [empty] * 100  # cost bound: more runs than positions
+    cases.append((flood, "at most"))
     for seq_id, (datum, needle) in enumerate(cases, start=1):
         out = post_json_forward(server, tc.model_id, seq_id, [datum])
         assert needle in out.json()["error"], (needle, out.text)

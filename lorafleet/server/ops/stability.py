@@ -181,6 +181,13 @@ class _Records:
 
 
 def _check_tiling(spans: list[Span], length: int, where: str, field: str) -> None:
+    if len(spans) > length + 1:
+        # Each span costs a record lookup: a field of n positions needs at most n runs (the
+        # SDK never sends empty ones), so more is refused before any is looked up.
+        raise UserError(
+            f"{where}.{field} has {len(spans)} spans for {length} positions; at most "
+            f"{length + 1} are accepted"
+        )
     for j, span in enumerate(spans):
         if span.length < 0 or span.offset < 0:
             raise UserError(
@@ -285,17 +292,20 @@ def attach(
             out.append(datum)
             continue
         targets = datum.loss_inputs.get(TARGETS)
-        if targets is None or targets.dim() != 1:
-            raise UserError(
-                f"{where}: provenance needs a 1-D loss_fn_inputs[{TARGETS!r}] for the "
-                "loss_fn_input_spans to tile"
-            )
         tokens = datum.tokens.numpy()
         _check_tiling(model_spans, len(tokens), where, "model_input_spans")
-        _check_tiling(loss_spans, int(targets.numel()), where, "loss_fn_input_spans")
         if not stable:
+            # as the SDK's with_provenance: loss spans tile 1-D targets ([T, K] ones are not tiled)
+            if targets is not None and targets.dim() == 1:
+                _check_tiling(loss_spans, int(targets.numel()), where, "loss_fn_input_spans")
             out.append(datum)
             continue
+        if targets is None or targets.dim() != 1:
+            raise UserError(
+                f"{where}: stable_reinforce needs a 1-D loss_fn_inputs[{TARGETS!r}] for the "
+                "loss_fn_input_spans to tile"
+            )
+        _check_tiling(loss_spans, int(targets.numel()), where, "loss_fn_input_spans")
         _check_tokens(records, model_spans, tokens, where, "model_input_spans", "model_input")
         placed = _check_tokens(
             records,
