@@ -238,6 +238,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         allow_recovery_deletes=args.allow_recovery_deletes,
         gap_timeout_s=args.gap_timeout_s,
         round_token_budget=args.round_token_budget,
+        stability_ttl_s=args.stability_ttl_s,
+        stability_quota_bytes=args.stability_quota_bytes,
     )
     from lorafleet.server.state.recovery import RecoveryRefused
     from lorafleet.server.state.store import StoreError
@@ -411,6 +413,16 @@ def _positive_seconds(value: str) -> float:
     return seconds
 
 
+def _positive_bytes(value: str) -> int:
+    try:
+        size = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of bytes, got {value!r}") from None
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive number of bytes, got {value!r}")
+    return size
+
+
 def _positive_tokens(value: str) -> int:
     try:
         tokens = int(value)
@@ -525,6 +537,20 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
         default=30.0,
         help="skip a model's seq_id that has not arrived after this long, so the calls "
         "queued behind a lost request run (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--stability-ttl-s",
+        type=_positive_seconds,
+        default=24 * 3600.0,
+        help="a record_stability_info sample's record lasts this long after its last use "
+        "(default: %(default)s, a day as Tinker's)",
+    )
+    parser.add_argument(
+        "--stability-quota-bytes",
+        type=_positive_bytes,
+        default=256 << 20,
+        help="the most bytes one tenant's stability records take; past it a recording sample "
+        "gets 403 (default: %(default)s)",
     )
     parser.add_argument(
         "--round-token-budget",
