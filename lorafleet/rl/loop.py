@@ -594,7 +594,7 @@ def finish(config: RLConfig, results: dict[str, TenantResult], interrupted: bool
             "reward first",
             "reward last",
             "time",
-            "staleness mean / max",
+            "stale avg/max",
             "adapter (PEFT)",
         ],
         rows,
