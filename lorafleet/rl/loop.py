@@ -437,7 +437,7 @@ def default_loss(max_steps_off_policy: int) -> RlLoss:
     return "stable_reinforce" if max_steps_off_policy > 0 else "importance_sampling"
 
 
-def with_provenance(datum: types.Datum, prompt_len: int, seq: Any) -> types.Datum:
+def with_provenance(datum: types.Datum, prompt_len: int, seq: types.SampledSequence) -> types.Datum:
     """rl_datum's layout named for stable_reinforce: the input is the prompt and all but the
     last sampled token; the targets are the prompt from its second token, then every sampled
     token (the cookbook's rl_loop spans)."""
