@@ -22,8 +22,8 @@ advantages).
 |                     |   S = mean of (logp - logq) over sequence_ratio_mask |
 | stable_reinforce    | m * sg(min(r, C)) * A * logp - k/2 * s * (logp - logq)^2 |
 |                     |   s = 1 on recorded sampled tokens (sampled_sequence > 0), |
-|                     |   m = s * [lo_t <= r <= hi_t] * [lo_s <= exp(S_seq) <= hi_s], |
-|                     |   S_seq = mean of (logp - logq) over the token's sequence |
+|                     |   t = s * [lo_t <= r <= hi_t],  m = t * [lo_s <= exp(S_seq) <= hi_s], |
+|                     |   S_seq = mean of (logp - logq) over the sequence's t tokens |
 
 ``logq`` is the sampler's log-prob (input key ``logprobs``; for stable_reinforce the server's
 record of it, never the client's), ``A`` the advantage, ``lo``/``hi``
@@ -213,22 +213,22 @@ def _stable_reinforce(spec: LossSpec, logp: torch.Tensor) -> tuple[torch.Tensor,
     log_ratio = logp - spec.inputs["logprobs"]
     log_ratio_sg = torch.where(sampled, log_ratio.detach(), 0.0)
     ratio_sg = torch.exp(log_ratio_sg)
-    # The sequence guard: each sampled run's mean log-ratio, spread back over its tokens.
+    token_ok = sampled & (ratio_sg >= cfg["token_mask_low"]) & (ratio_sg <= cfg["token_mask_high"])
+    # The sequence guard: each sampled run's mean log-ratio over the tokens the token mask kept
+    # (one outlier token, masked already, does not drop its sequence), spread back over them.
     ids = segment.to(torch.int64)
     runs = int(ids.max()) + 1
-    sums = torch.zeros(runs, dtype=torch.float32, device=logp.device).index_add(
-        0, ids, log_ratio_sg
+    zeros = torch.zeros(runs, dtype=torch.float32, device=logp.device)
+    sums = zeros.index_add(0, ids, torch.where(token_ok, log_ratio_sg, 0.0))
+    kept = zeros.index_add(0, ids, token_ok.to(torch.float32))
+    counts = zeros.index_add(0, ids, sampled.to(torch.float32))
+    seq_log_ratio = sums / kept.clamp(min=1.0)
+    seq_ok_run = (
+        (kept > 0)
+        & (seq_log_ratio >= math.log(max(cfg["seq_mask_low"], 1e-30)))
+        & (seq_log_ratio <= math.log(cfg["seq_mask_high"]))
     )
-    counts = torch.zeros(runs, dtype=torch.float32, device=logp.device).index_add(
-        0, ids, sampled.to(torch.float32)
-    )
-    seq_log_ratio = sums / counts.clamp(min=1.0)
-    seq_ok_run = (seq_log_ratio >= math.log(max(cfg["seq_mask_low"], 1e-30))) & (
-        seq_log_ratio <= math.log(cfg["seq_mask_high"])
-    )
-    seq_ok = seq_ok_run[ids] & sampled
-    token_ok = (ratio_sg >= cfg["token_mask_low"]) & (ratio_sg <= cfg["token_mask_high"])
-    keep = seq_ok & token_ok
+    keep = token_ok & seq_ok_run[ids]
     weight = torch.where(keep, torch.clamp(ratio_sg, max=cfg["token_clip"]), 0.0)
     objective = weight * adv * logp
     if cfg["kl_coeff"] > 0:

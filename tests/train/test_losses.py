@@ -882,13 +882,13 @@ def ref_stable_reinforce(
     """docs/losses.md's formula, token by token in plain Python: loss and d loss / d logp."""
     runs: dict[int, list[float]] = {}
     for lp, lq, s in zip(logp, logq, seg, strict=True):
-        if s > 0:
+        if s > 0 and tok[0] <= math.exp(lp - lq) <= tok[1]:  # over the token mask's survivors
             runs.setdefault(s, []).append(lp - lq)
     seq_ok = {s: seq[0] <= math.exp(sum(v) / len(v)) <= seq[1] for s, v in runs.items()}
     loss, grad = 0.0, []
     for lp, lq, a, s in zip(logp, logq, adv, seg, strict=True):
         r = math.exp(lp - lq)
-        keep = s > 0 and seq_ok[s] and tok[0] <= r <= tok[1]
+        keep = s > 0 and tok[0] <= r <= tok[1] and seq_ok[s]
         if not keep:
             grad.append(0.0)
             continue
@@ -901,9 +901,9 @@ def ref_stable_reinforce(
 @pytest.mark.parametrize("kl", [0.0, 0.3])
 def test_stable_reinforce_matches_the_documented_formula(kl: float) -> None:
     logq = [0.0, -1.0, -1.0, -2.0, -0.5, -0.7, -1.0]
-    logp = [-3.0, -0.2, -1.1, -2.5, -0.5, -3.5, -1.0]  # token 1: r=2.2 (truncated)
+    logp = [-3.0, -0.2, -1.1, -2.5, -1.2, -1.4, -1.0]  # token 1: r=2.2 (truncated)
     adv = [0.0, 1.0, 1.0, 1.0, -1.0, -1.0, 0.5]
-    seg = [0, 1, 1, 1, 2, 2, 3]  # run 2's mean log-ratio is -1.4: the sequence guard drops it
+    seg = [0, 1, 1, 1, 2, 2, 3]  # run 2's mean log-ratio is -0.7: the sequence guard drops it
     inputs = rl_inputs(logq, adv, sampled_sequence=[float(s) for s in seg])
     loss, grad, metrics, spec = run("stable_reinforce", inputs, logp, {"kl_coeff": kl})
     ref_loss, ref_grad = ref_stable_reinforce(logp, logq, adv, seg, kl=kl)
@@ -914,6 +914,16 @@ def test_stable_reinforce_matches_the_documented_formula(kl: float) -> None:
     assert metrics["active_tokens:sum"] == 6
     mask = gradient_mask(spec).tolist()
     assert mask == ([False, True, True, True, True, True, True] if kl else [False] + [True] * 6)
+
+
+def test_stable_reinforce_sequence_guard_ignores_a_masked_outlier() -> None:
+    """One token far off (masked by the token mask) does not drop the rest of its sequence."""
+    logq = [-1.0, -1.0, -1.0]
+    logp = [-1.0, -1.1, -9.0]  # token 2: ratio e^-8, masked; the others are near 1
+    inputs = rl_inputs(logq, [1.0] * 3, sampled_sequence=[1.0] * 3)
+    _, grad, metrics, _ = run("stable_reinforce", inputs, logp)
+    assert metrics["masked_sequences:sum"] == 0 and metrics["masked_tokens:sum"] == 1
+    assert grad[2] == 0.0 and grad[0] != 0.0 and grad[1] != 0.0
 
 
 def test_stable_reinforce_weights_stay_bounded_far_off_policy() -> None:
