@@ -99,7 +99,8 @@ def run_side(
             "trained_rows": len(datums),
         }
         if datums:
-            fb = tc.forward_backward(datums, loss).result().metrics
+            config = args.sr_config if loss == "stable_reinforce" else None
+            fb = tc.forward_backward(datums, loss, loss_fn_config=config).result().metrics
             opt = tc.optim_step(types.AdamParams(learning_rate=args.lr)).result().metrics
             row.update(
                 grad_norm=opt["grad_norm:mean"],
@@ -170,6 +171,12 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--torch-threads", type=int, default=1)
+    parser.add_argument(
+        "--sr-config",
+        type=json.loads,
+        default=None,
+        help="stable_reinforce loss_fn_config as JSON, e.g. '{\"token_mask_high\": 20}'",
+    )
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--png", type=Path, default=None)
     parser.add_argument(

@@ -66,10 +66,10 @@ sets it from the provenance spans (server/ops/stability.py); library callers pas
 STABLE_REINFORCE_DEFAULTS = MappingProxyType(
     {
         "token_clip": 2.0,
-        "token_mask_low": 0.2,
-        "token_mask_high": 5.0,
-        "seq_mask_low": 0.5,
-        "seq_mask_high": 2.0,
+        "token_mask_low": 1e-3,
+        "token_mask_high": 1e3,
+        "seq_mask_low": 0.05,
+        "seq_mask_high": 20.0,
         "kl_coeff": 0.0,
     }
 )

@@ -875,7 +875,7 @@ def ref_stable_reinforce(
     adv: list[float],
     seg: list[int],
     clip: float = 2.0,
-    tok: tuple[float, float] = (0.2, 5.0),
+    tok: tuple[float, float] = (0.2, 5.0),  # the bands the formula test sets
     seq: tuple[float, float] = (0.5, 2.0),
     kl: float = 0.0,
 ) -> tuple[float, list[float]]:
@@ -905,7 +905,9 @@ def test_stable_reinforce_matches_the_documented_formula(kl: float) -> None:
     adv = [0.0, 1.0, 1.0, 1.0, -1.0, -1.0, 0.5]
     seg = [0, 1, 1, 1, 2, 2, 3]  # run 2's mean log-ratio is -0.7: the sequence guard drops it
     inputs = rl_inputs(logq, adv, sampled_sequence=[float(s) for s in seg])
-    loss, grad, metrics, spec = run("stable_reinforce", inputs, logp, {"kl_coeff": kl})
+    guards = {"token_mask_low": 0.2, "token_mask_high": 5.0, "seq_mask_low": 0.5}
+    config = {"kl_coeff": kl, **guards, "seq_mask_high": 2.0}
+    loss, grad, metrics, spec = run("stable_reinforce", inputs, logp, config)
     ref_loss, ref_grad = ref_stable_reinforce(logp, logq, adv, seg, kl=kl)
     assert_close(loss.item(), ref_loss)
     assert_close(grad, ref_grad)
@@ -919,7 +921,7 @@ def test_stable_reinforce_matches_the_documented_formula(kl: float) -> None:
 def test_stable_reinforce_sequence_guard_ignores_a_masked_outlier() -> None:
     """One token far off (masked by the token mask) does not drop the rest of its sequence."""
     logq = [-1.0, -1.0, -1.0]
-    logp = [-1.0, -1.1, -9.0]  # token 2: ratio e^-8, masked; the others are near 1
+    logp = [-1.0, -1.1, -9.0]  # token 2: ratio e^-8 < token_mask_low (1e-3), masked
     inputs = rl_inputs(logq, [1.0] * 3, sampled_sequence=[1.0] * 3)
     _, grad, metrics, _ = run("stable_reinforce", inputs, logp)
     assert metrics["masked_sequences:sum"] == 0 and metrics["masked_tokens:sum"] == 1
@@ -934,7 +936,7 @@ def test_stable_reinforce_weights_stay_bounded_far_off_policy() -> None:
     adv = [1.0, 1.0, 1.0, 1.0]
     _, is_grad, _, _ = run("importance_sampling", rl_inputs(logq, adv), logp)
     assert abs(is_grad[0]) > 1e8
-    config = {"token_mask_high": 100.0, "seq_mask_high": 1e9}
+    config = {"token_mask_high": 100.0, "seq_mask_high": 1e9}  # token 0 alone past a guard
     inputs = rl_inputs(logq, adv, sampled_sequence=[1.0] * 4)
     _, grad, metrics, _ = run("stable_reinforce", inputs, logp, config)
     assert grad[0] == 0.0 and metrics["masked_tokens:sum"] == 1
