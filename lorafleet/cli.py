@@ -241,6 +241,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         gap_timeout_s=args.gap_timeout_s,
         round_token_budget=args.round_token_budget,
         solo_round_token_budget=args.solo_round_token_budget,
+        stability_ttl_s=args.stability_ttl_s,
+        stability_quota_bytes=args.stability_quota_bytes,
     )
     from lorafleet.server.state.recovery import RecoveryRefused
     from lorafleet.server.state.store import StoreError
@@ -438,6 +440,16 @@ def _tokens_or_off(value: str) -> int:
     return tokens
 
 
+def _positive_bytes(value: str) -> int:
+    try:
+        size = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of bytes, got {value!r}") from None
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive number of bytes, got {value!r}")
+    return size
+
+
 def _positive_tokens(value: str) -> int:
     try:
         tokens = int(value)
@@ -569,6 +581,20 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
         "queued behind a lost request run (default: %(default)s)",
     )
     parser.add_argument(
+        "--stability-ttl-s",
+        type=_positive_seconds,
+        default=24 * 3600.0,
+        help="a record_stability_info sample's record lasts this long after its last use "
+        "(default: %(default)s, a day as Tinker's)",
+    )
+    parser.add_argument(
+        "--stability-quota-bytes",
+        type=_positive_bytes,
+        default=256 << 20,
+        help="the most bytes one tenant's stability records take; past it a recording sample "
+        "gets 403 (default: %(default)s)",
+    )
+    parser.add_argument(
         "--round-token-budget",
         type=_positive_tokens,
         default=512,  # scheduler.DEFAULT_ROUND_TOKENS (not imported: the CLI starts light)
@@ -669,14 +695,16 @@ def _cmd_rl(args: argparse.Namespace) -> int:
     tasks = _cycle(args.tasks, n, str, "--tasks")
     lrs = _cycle(args.lr, n, float, "--lr")
     ranks = _cycle(args.rank, n, int, "--rank")
-    losses = _cycle(args.loss, n, str, "--loss")
+    losses: list[str | None] = (
+        [None] * n if args.loss is None else list(_cycle(args.loss, n, str, "--loss"))
+    )
     tenants = [
         TenantConfig(
             name=f"t{i}-{tasks[i].replace(':', '-')}",
             task=tasks[i],
             learning_rate=lrs[i],
             rank=ranks[i],
-            loss_fn=losses[i],
+            loss_fn=losses[i],  # type: ignore[arg-type]  # checked by TenantConfig.validate
             prompts_per_step=args.prompts,
             group_size=args.group_size,
             max_tokens=args.max_tokens,
@@ -701,6 +729,7 @@ def _cmd_rl(args: argparse.Namespace) -> int:
         torch_threads=args.torch_threads,
         rollout=rollout,
         device=args.device,
+        max_steps_off_policy=args.max_steps_off_policy,
     )
     if config.rollout is not None and config.base_url:
         raise SystemExit(
@@ -732,8 +761,15 @@ def _register_rl(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--rank", default="8", help="LoRA rank(s), comma list cycled over tenants")
     parser.add_argument(
         "--loss",
-        default="importance_sampling",
-        help="importance_sampling or ppo, comma list cycled",
+        default=None,
+        help="importance_sampling, ppo or stable_reinforce, comma list cycled (default: "
+        "importance_sampling; stable_reinforce with --max-steps-off-policy > 0)",
+    )
+    parser.add_argument(
+        "--max-steps-off-policy",
+        type=int,
+        default=0,
+        help="sampling runs up to K versions ahead of training, overlapping it (0: on-policy)",
     )
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--prompts", type=int, default=8, help="prompts per step per tenant")

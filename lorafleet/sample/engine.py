@@ -109,6 +109,7 @@ class _Group:
     prefix_root: int | None = None  # its chain in the prefix cache, once prefilled
     prompt_ids: list[int] = field(default_factory=list)  # the prompt as a list, once needed
     on_token: TokenHook | None = None  # the request's progress hook
+    cache_hit_tokens: int | None = None  # prompt tokens its first prefill took from the cache
 
 
 @dataclass(eq=False)
@@ -710,6 +711,8 @@ class SampleEngine:
             self.prefix_cache.record(
                 hit_len[b], group.request.prompt_len - hit_len[b], group.request.cache_salt
             )
+            if group.cache_hit_tokens is None:
+                group.cache_hit_tokens = hit_len[b]
         new_len = [g.request.prompt_len - h for g, h in zip(groups, hit_len, strict=True)]
         input_ids = torch.zeros(len(groups), max(new_len), dtype=torch.int64)
         pick_rows: list[int] = []
@@ -906,5 +909,6 @@ class SampleEngine:
                     topk_prompt_logprobs=group.topk_prompt,
                     target_prompt_logprobs=group.target_logprobs,
                     prompt_alt_tokens=group.alt_tokens,
+                    prompt_cache_hit_tokens=group.cache_hit_tokens or 0,
                 )
             )

@@ -122,6 +122,9 @@ class SampleResult:
     target_prompt_logprobs: torch.Tensor | None = None
     prompt_alt_tokens: PromptAltTokens | None = None
     error: SampleError | None = None
+    # prompt tokens its first prefill read from the prefix cache instead of computing (the
+    # SDK's SampleResponse.prompt_cache_hit_tokens); 0 for engines that do not report it
+    prompt_cache_hit_tokens: int = 0
 
     @property
     def ok(self) -> bool:

@@ -35,6 +35,11 @@ class ServerConfig:
     # transformers uses here, $HF_HUB_CACHE)
     tokenizer_cache: Path | None = None
     future_ttl_s: float = 24 * 3600.0
+    # stability records (record_stability_info samples, for stable_reinforce): each lasts this
+    # long after its last use (Tinker: a day, renewed by each training request naming it), and
+    # a tenant's records take at most this many bytes (past it: 403); ops/stability.py
+    stability_ttl_s: float = 24 * 3600.0
+    stability_quota_bytes: int = 256 << 20
     # no heartbeat for this long: the session's models are unloaded
     session_timeout_s: float = 900.0
     # how often maintenance runs (a thread, and on requests): stale sessions, old futures, and

@@ -49,6 +49,7 @@ from lorafleet.server.ops.metering import Metering
 from lorafleet.server.ops.quotas import Quotas
 from lorafleet.server.ops.run_metrics import RunMetrics
 from lorafleet.server.ops.scheduler import Scheduler
+from lorafleet.server.ops.stability import StabilityPolicy
 from lorafleet.server.ops.types import Job, Stage
 from lorafleet.server.state import recovery
 from lorafleet.server.state.disk import DiskGuard
@@ -263,10 +264,15 @@ class Service:
         # what links and redirects name: the configured address, never a request's Host
         public_url = public_base_url(config.public_url, config.host, config.port)
         self.sessions = Sessions(self.store, ownership, engine, signer, public_url)
+        stability_policy = StabilityPolicy(config.stability_ttl_s, config.stability_quota_bytes)
         self.training = Training(
-            ownership, self.intake, self.served, max_body_bytes=config.max_body_bytes
+            ownership,
+            self.intake,
+            self.served,
+            max_body_bytes=config.max_body_bytes,
+            stability_policy=stability_policy,
         )
-        self.sampling = Sampling(self.store, ownership, self.intake, self.served)
+        self.sampling = Sampling(self.store, ownership, self.intake, self.served, stability_policy)
         # the OpenAI-compatible routes: the same intake and sampler, model names via aliases
         self.aliases = Aliases(self.store, ownership, self.served)
         text = Text(self.served.base_path)
@@ -369,8 +375,8 @@ class Service:
 
     def maintain(self) -> None:
         """Drops old future results, unloads the models of clients that stopped heartbeating
-        (a crashed client never calls finish, and its adapter slots would stay taken) and
-        deletes checkpoints past their TTL."""
+        (a crashed client never calls finish, and its adapter slots would stay taken), deletes
+        stability records unused for their TTL and checkpoints past theirs."""
         now = time.time()
         self.store.futures.prune(now - self.config.future_ttl_s)
         self.futures.prune_stored()
@@ -378,6 +384,7 @@ class Service:
         self.sessions.expire_stale(
             now - self.config.session_timeout_s, self.config.session_timeout_s
         )
+        self.store.stability_records.delete_unused_since(now - self.config.stability_ttl_s)
         self._delete_expired(now)
 
     def _delete_expired(self, now: float) -> None:

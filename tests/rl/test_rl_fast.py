@@ -278,3 +278,31 @@ def test_cli_rl_and_sft_run_end_to_end(tmp_path, capsys):
     assert (tmp_path / "sft" / "adapter" / "adapter_config.json").is_file()
     assert main(["rl", "--tenants", "1", "--lr", "x", "--run-dir", str(tmp_path / "bad")]) == 2
     assert "--lr 'x'" in capsys.readouterr().err
+
+
+def test_off_policy_runs_ahead_within_k_with_stable_reinforce(tmp_path, capsys):
+    """--max-steps-off-policy 2: sampling runs ahead of training by at most 2 versions, every
+    step trains with stable_reinforce on server-recorded samples (provenance checked: a refused
+    datum would fail the step), and the summary reports the staleness."""
+    results = run_rl(config(tmp_path, tenants("a"), steps=5, max_steps_off_policy=2))
+    rows = results["a"].metrics
+    assert results["a"].error is None and [r["step"] for r in rows] == list(range(5))
+    assert {r["loss_fn"] for r in rows} == {"stable_reinforce"}
+    stale = [r["staleness"] for r in rows]
+    assert all(0 <= s <= 2 for s in stale) and stale[0] == 0
+    assert any(r["trained_rows"] > 0 for r in rows)
+    summary = json.loads((tmp_path / "summary.json").read_text())["tenants"]["a"]
+    assert summary["staleness_max"] == max(stale)
+    assert "up to 2 steps off-policy" in capsys.readouterr().out
+
+
+def test_sync_runs_keep_importance_sampling_and_zero_staleness(tmp_path):
+    results = run_rl(config(tmp_path, tenants("a"), steps=2))
+    assert {(r["loss_fn"], r["staleness"]) for r in results["a"].metrics} == {
+        ("importance_sampling", 0)
+    }
+
+
+def test_negative_off_policy_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="--max-steps-off-policy must be >= 0"):
+        run_rl(config(tmp_path, tenants("a"), steps=1, max_steps_off_policy=-1))

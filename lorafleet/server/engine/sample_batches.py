@@ -23,6 +23,7 @@ from lorafleet.server.errors import (
     exception_text,
     strip_paths,
 )
+from lorafleet.server.ops import stability
 from lorafleet.server.ops.futures import Result
 from lorafleet.server.ops.scheduler import PendingSample
 from lorafleet.server.ops.types import Job, Sample, sample_op
@@ -39,6 +40,7 @@ def _not_run() -> Result:
 
 
 def _result(output: SampleResult, args: Sample) -> Result:
+    """The response of a sample that ran (or the error that stopped it)."""
     if output.error is not None and output.error.code == "engine_unavailable":
         # the rollout replicas are down or restarting: the request is fine, retry it later
         return Result.error(ServerFault(f"sample: {strip_paths(output.error.message)}", status=503))
@@ -54,7 +56,22 @@ def _result(output: SampleResult, args: Sample) -> Result:
             targets=args.targets,
         ),
         sampled_tokens=sum(len(seq.tokens) for seq in output.sequences),
+        cached_prompt_tokens=output.prompt_cache_hit_tokens,
     )
+
+
+def _recorded_result(output: SampleResult, args: Sample, job: Job, store: Store) -> Result:
+    """As `_result`, and for a `record_stability_info` sample its stability record written
+    first: a sample whose record cannot be kept fails (its sequences could not be trained with
+    stable_reinforce, which is what the client asked to record them for)."""
+    if args.record is not None and output.error is None:
+        try:
+            stability.write_record(
+                store, job.request_id, job.tenant, args.record, args.prompt, output
+            )
+        except ApiError as exc:
+            return Result.error(exc)
+    return _result(output, args)
 
 
 class SampleBatches:
@@ -80,7 +97,7 @@ class SampleBatches:
         if batch:
             outputs = self.sampler.generate([request for _, _, request in batch])
             for (i, args, _), output in zip(batch, outputs, strict=True):
-                results[i] = _result(output, args)
+                results[i] = _recorded_result(output, args, jobs[i], self.store)
         return [r if r is not None else _not_run() for r in results]
 
     def start(self, jobs: list[Job]) -> list[Result | PendingSample]:
@@ -92,7 +109,9 @@ class SampleBatches:
         if batch:
             futures = self.sampler.submit([request for _, _, request in batch])
             for (i, args, _), future in zip(batch, futures, strict=True):
-                items[i] = PendingSample(future, partial(_result, args=args))
+                items[i] = PendingSample(
+                    future, partial(_recorded_result, args=args, job=jobs[i], store=self.store)
+                )
         return items
 
     def step(self) -> bool:

@@ -19,7 +19,14 @@ from lorafleet.sample.types import SamplingParams
 from lorafleet.server.errors import UserError
 from lorafleet.server.http import prompt_targets, schemas
 from lorafleet.server.http.served import RequestLimits, ServedBase
-from lorafleet.server.ops.types import CreateModel, OptimStep, Sample, SaveSampler, SaveWeights
+from lorafleet.server.ops.types import (
+    CreateModel,
+    OptimStep,
+    Recording,
+    Sample,
+    SaveSampler,
+    SaveWeights,
+)
 from lorafleet.server.state.paths import checkpoint_name
 from lorafleet.train.optim import AdamHParams
 
@@ -313,16 +320,13 @@ def check_sample_cost(args: Sample, limits: RequestLimits, context_length: int |
 
 
 def sample_args(
-    req: schemas.Sample, adapter: tuple[str, int] | None, checkpoint_path: str | None
+    req: schemas.Sample,
+    adapter: tuple[str, int] | None,
+    checkpoint_path: str | None,
+    record: Recording | None = None,
 ) -> Sample:
-    if req.record_stability_info:
-        # Accepting it and recording nothing would leave a stable_reinforce run without the
-        # records its loss needs; that loss is refused too (train/loss_inputs.py).
-        raise UserError(
-            "record_stability_info=true is not supported by this server: it records no sampling "
-            "stability information (the stable_reinforce loss is not supported either); sample "
-            "without it and train with importance_sampling or ppo"
-        )
+    """`record`: where a `record_stability_info=true` sample's record goes (its caller checks
+    that the request has a session to record for)."""
     prompt: list[int] = []
     for i, chunk in enumerate(req.prompt.chunks):
         if chunk.type != "encoded_text" or chunk.tokens is None:
@@ -370,4 +374,5 @@ def sample_args(
         checkpoint_path=checkpoint_path,
         targets=targets,
         alt_k=alt_k,
+        record=record,
     )

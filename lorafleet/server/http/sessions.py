@@ -161,6 +161,9 @@ class Sessions:
             self._unload_models(session.session_id, f"sent no heartbeat for {timeout_s:.0f} s")
 
     def _unload_models(self, session_id: str, why: str) -> None:
+        """A finished session's models leave their slots, and its stability records go: they
+        can only be trained on by its models (ops/stability.py)."""
+        self.store.stability_records.delete_of_session(session_id)
         models = [
             m.model_id for m in self.store.models.of_session(session_id) if m.status == "active"
         ]

@@ -1,8 +1,11 @@
 """What each tenant and run used, counted as the engine works and kept in SQLite.
 
 Counters, per tenant, run and UTC day:
-- `prefill_tokens`: prompt tokens of sample requests (once per request: its rows share the
-  prompt) and input tokens of forward-only calls;
+- `prefill_tokens`: prompt tokens of sample requests that were computed (once per request: its
+  rows share the prompt) and input tokens of forward-only calls;
+- `cached_prefill_tokens`: prompt tokens of sample requests read from the sampler's prefix
+  cache instead (the response's `prompt_cache_hit_tokens`), counted apart because they cost
+  a copy, not a forward pass;
 - `sampled_tokens`: tokens generated;
 - `trained_tokens`: input tokens of forward_backward calls;
 - `optimizer_steps`;
@@ -53,6 +56,7 @@ log = logging.getLogger(__name__)
 
 COUNTERS = (
     "prefill_tokens",
+    "cached_prefill_tokens",
     "sampled_tokens",
     "trained_tokens",
     "optimizer_steps",
@@ -138,8 +142,10 @@ def _counts(job: Job, tokens: int, result: Result | None) -> dict[Meter, float]:
         case Sample():
             if result is None:
                 return {}
+            cached = min(result.cached_prompt_tokens, len(op.prompt))
             return {
-                Meter.PREFILL_TOKENS: float(len(op.prompt)),
+                Meter.PREFILL_TOKENS: float(len(op.prompt) - cached),
+                Meter.CACHED_PREFILL_TOKENS: float(cached),
                 Meter.SAMPLED_TOKENS: float(result.sampled_tokens),
             }
         case (
