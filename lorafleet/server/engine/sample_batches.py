@@ -8,6 +8,7 @@ same shares as the training rounds (fair_share.py)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -39,11 +40,14 @@ def _not_run() -> Result:
 
 
 def _result(output: SampleResult, args: Sample) -> Result:
-    if output.error is not None and output.error.code == "engine_unavailable":
-        # the rollout replicas are down or restarting: the request is fine, retry it later
-        return Result.error(ServerFault(f"sample: {strip_paths(output.error.message)}", status=503))
+    """The sampler's outcome as the future's result. A failed or cancelled request carries the
+    work it did (`SampleResult.prefill_tokens`, `sampled_tokens`) for metering."""
     if output.error is not None:
-        return Result.error(UserError(f"sample: {strip_paths(output.error.message)}"))
+        return replace(
+            Result.error(_error(output.error.code, output.error.message)),
+            prefill_tokens=output.prefill_tokens,
+            sampled_tokens=output.sampled_tokens,
+        )
     return Result.proto(
         responses.sample_response(
             output,
@@ -54,7 +58,18 @@ def _result(output: SampleResult, args: Sample) -> Result:
             targets=args.targets,
         ),
         sampled_tokens=sum(len(seq.tokens) for seq in output.sequences),
+        prefill_tokens=len(args.prompt),
     )
+
+
+def _error(code: str, message: str) -> ApiError:
+    text = f"sample: {strip_paths(message)}"
+    if code == "engine_unavailable":
+        # the rollout replicas are down or restarting: the request is fine, retry it later
+        return ServerFault(text, status=503)
+    if code == "internal_error":  # this request's own work failed (the others went on)
+        return ServerFault(text)
+    return UserError(text)
 
 
 class SampleBatches:
@@ -119,6 +134,7 @@ class SampleBatches:
                 target_prompt_logprobs=None if args.targets is None else args.targets.ids,
                 prompt_alt_tokens_k=args.alt_k,
                 on_token=args.on_token,
+                cancel=args.cancel,
             )
             batch.append((i, args, request))
         return results, batch
