@@ -18,7 +18,10 @@ Seven parts, the same code as tests/reliability (which runs them smaller in CI):
 - moved_dir: checkpoints of several tenants, the data dir moved, a restart there: every
   checkpoint lists, loads and samples (also from a schema-1 database with absolute paths);
 - big_request: the server's peak RSS growth for the largest sample request its caps allow,
-  and requests over the caps refused before any work.
+  and requests over the caps refused before any work;
+- poison_row, quota_race (bench/reliability_isolation.py): one tenant's hostile sampling
+  parameters in the same engine steps as other tenants' samples (`poison_row_failed_others`),
+  and concurrent copies and samples against one tenant's quotas (`quota_overshoot`).
 
 Everything runs on the tiny-qwen3 preset: the battery measures what the server survives, not
 its speed (bench/server.py measures speed). Nothing here asserts anything; the tests do.
@@ -35,6 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench import reliability_isolation
 from bench.common import environment, fixed_dtype
 
 REQUIRED = (
@@ -47,6 +51,7 @@ REQUIRED = (
     "disk_full_recovered",
     "checkpoints_lost_on_move",
     "peak_rss_growth_mb",
+    *reliability_isolation.SUMMARY,
 )
 
 
@@ -60,6 +65,7 @@ PART_OF = {
     "disk_full_recovered": "disk_full",
     "checkpoints_lost_on_move": "moved_dir",
     "peak_rss_growth_mb": "big_request",
+    **reliability_isolation.SUMMARY,
 }  # the part whose run a summary figure comes from (only those that ran are printed)
 
 
@@ -77,7 +83,12 @@ def _args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--only",
-        default="load,crash,fuzz,security,disk_full,moved_dir,big_request",
+        default=",".join(
+            [
+                *("load", "crash", "fuzz", "security", "disk_full", "moved_dir", "big_request"),
+                *reliability_isolation.PARTS,
+            ]
+        ),
         help="comma-separated parts to run",
     )
     parser.add_argument(
@@ -262,6 +273,8 @@ def main() -> int:
             )
         )
 
+    reliability_isolation.run(parts, workdir, out, rows, _log)
+
     load_out, crash_out, fuzz_out, sec_out = (
         out.get(k, {}) for k in ("load", "crash", "fuzz", "security")
     )
@@ -288,9 +301,9 @@ def main() -> int:
     out["wall_s"] = time.perf_counter() - began
 
     print("\nreliability battery (tiny-qwen3)")
-    print(f"{'part':<9} | {'what was tried':<70} | what held")
+    print(f"{'part':<10} | {'what was tried':<70} | what held")
     for part, tried, held in rows:
-        print(f"{part:<9} | {tried:<70} | {held}")
+        print(f"{part:<10} | {tried:<70} | {held}")
     if "load" in out:
         print("\nload latency per call (ms, all tenants, concurrent run)")
         print(f"{'call':<26}{'n':>6}{'p50':>10}{'p99':>10}{'max':>10}")

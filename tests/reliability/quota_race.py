@@ -188,7 +188,7 @@ def run_quota_race(
                 "samples_refused": sampled.count("refused"),
                 "sampled_tokens": used,
                 "quota_overshoot_bytes": max(0, stored - storage_limit),
-                "quota_overshoot_tokens": max(0.0, used - token_limit),
+                "quota_overshoot_tokens": int(max(0.0, used - token_limit)),
                 "unexpected": unexpected,
                 "seconds": round(time.perf_counter() - began, 2),
             }
