@@ -245,6 +245,7 @@ class SampleEngine:
         self._incoming: deque[_Group] = deque()
         self._waiting: FairQueue[str | None, tuple[_Group, int]] = FairQueue()
         self._active: list[_Seq] = []
+        self._cancellable: list[_Group] = []  # unfinished requests that have a cancel event
         self._step = 0
         self.last_traces: list[SequenceTrace] = []
         # the last step that failed (its requests failed with it), until a step succeeds again
@@ -459,9 +460,9 @@ class SampleEngine:
 
     def _drop_cancelled(self) -> None:
         """Requests whose caller set their `cancel` event leave now, with the work they did."""
-        groups = {id(s.group): s.group for s in self._active}
-        groups.update({id(g): g for g, _ in self._waiting})
-        cancelled = [g for g in groups.values() if g.cancel is not None and g.cancel.is_set()]
+        live = [g for g in self._cancellable if not g.future.done()]
+        cancelled = [g for g in live if g.cancel is not None and g.cancel.is_set()]
+        self._cancellable = [g for g in live if g.cancel is not None and not g.cancel.is_set()]
         if cancelled:
             self._drop(
                 cancelled,
@@ -472,6 +473,8 @@ class SampleEngine:
         with self._queue_lock:
             while self._incoming:
                 group = self._incoming.popleft()
+                if group.cancel is not None:
+                    self._cancellable.append(group)
                 for sample in range(group.request.num_samples):
                     self._waiting.push(group.share_key, (group, sample), group.share_weight)
 

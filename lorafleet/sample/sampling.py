@@ -107,11 +107,11 @@ def draw_uniforms(
     """One uniform in [0, 1) per row that samples (temperature > 0), from that row's own
     generator; greedy rows draw nothing (0.0). Drawn apart from the token choice, so that a
     choice that is redone (a batch that failed, retried row by row) reuses the same numbers."""
-    draws = torch.zeros(len(temperature), dtype=torch.float64)
-    for r, t in enumerate(temperature):
-        if t > 0:
-            draws[r] = torch.rand(1, generator=generators[r], dtype=torch.float64)[0]
-    return draws
+    values = [
+        float(torch.rand(1, generator=generators[r], dtype=torch.float64)) if t > 0 else 0.0
+        for r, t in enumerate(temperature)
+    ]
+    return torch.tensor(values, dtype=torch.float64)
 
 
 def choose_tokens(

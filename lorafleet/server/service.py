@@ -438,7 +438,10 @@ class Service:
     async def retrieve(self, tenant: Tenant, body: Any) -> Result | None:
         req = schemas.parse(schemas.RetrieveFuture, body)
         self.abandoned.poll_began(req.request_id, tenant.id)
-        return await self.futures.wait(req.request_id, tenant.id, self.config.long_poll_s)
+        try:
+            return await self.futures.wait(req.request_id, tenant.id, self.config.long_poll_s)
+        finally:
+            self.abandoned.poll_ended(req.request_id, tenant.id)
 
     def poll_lost(self, tenant: Tenant, body: Any) -> None:
         """The client hung up during a `retrieve_future` poll: a sample nobody polls again

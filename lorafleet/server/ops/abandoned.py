@@ -12,8 +12,9 @@ cancelled (a client may submit many and poll later).
 
 from __future__ import annotations
 
+import asyncio
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lorafleet.server.ops.futures import FutureTable
 
@@ -26,6 +27,8 @@ class _Entry:
     tenant: str
     event: threading.Event
     polls: int = 0  # polls begun so far: a poll lost is forgiven if a later one began
+    active: int = 0  # polls waiting now (a new poll may begin before the lost one is noticed)
+    timer: asyncio.TimerHandle | None = field(default=None, repr=False)  # its grace, if running
 
 
 class AbandonedSamples:
@@ -37,7 +40,6 @@ class AbandonedSamples:
         self.cancelled = 0  # samples cancelled because their client went away
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
-        self._timers: set[threading.Timer] = set()
 
     def register(self, request_id: str, tenant: str, event: threading.Event) -> None:
         """A sample's cancel event; a retry answered with the first request keeps the first's."""
@@ -52,26 +54,32 @@ class AbandonedSamples:
             entry = self._entries.get(request_id)
             if entry is not None and entry.tenant == tenant:
                 entry.polls += 1
+                entry.active += 1
+
+    def poll_ended(self, request_id: str, tenant: str) -> None:
+        with self._lock:
+            entry = self._entries.get(request_id)
+            if entry is not None and entry.tenant == tenant:
+                entry.active = max(0, entry.active - 1)
 
     def poll_lost(self, request_id: str, tenant: str) -> None:
-        """The client hung up during a poll: cancel unless another poll begins in time."""
+        """The client hung up during a poll: cancel unless another poll begins in time. Called
+        on the server's event loop, whose timer runs the grace (no thread per lost poll; at
+        most one timer per request)."""
+        loop = asyncio.get_running_loop()
         with self._lock:
             entry = self._entries.get(request_id)
             if entry is None or entry.tenant != tenant:
                 return
-            polls = entry.polls
-        timer = threading.Timer(self.grace_s, self._expire, (request_id, polls))
-        timer.daemon = True
-        with self._lock:
-            self._timers.add(timer)
-        timer.start()
+            if entry.timer is not None:
+                entry.timer.cancel()
+            entry.timer = loop.call_later(self.grace_s, self._expire, request_id, entry.polls)
 
     def _expire(self, request_id: str, polls: int) -> None:
         with self._lock:
-            self._timers = {t for t in self._timers if t.is_alive()}
             entry = self._entries.get(request_id)
-            if entry is None or entry.polls != polls:
-                return  # polled again meanwhile: the client is still there
+            if entry is None or entry.polls != polls or entry.active > 0:
+                return  # polled again meanwhile, or polling now: the client is still there
             del self._entries[request_id]
         if self.futures.is_pending(request_id):
             entry.event.set()
@@ -79,6 +87,7 @@ class AbandonedSamples:
 
     def close(self) -> None:
         with self._lock:
-            timers, self._timers = self._timers, set()
-        for timer in timers:
-            timer.cancel()
+            entries, self._entries = list(self._entries.values()), {}
+        for entry in entries:
+            if entry.timer is not None:
+                entry.timer.cancel()
