@@ -2,7 +2,8 @@
 sampling parameters in the same engine steps as other tenants' samples) and `quota_race`
 (concurrent copies and samples against one tenant's storage and token quotas). The scenarios
 live in tests/reliability (poison_row.py, quota_race.py), which runs them smaller in CI;
-bench/reliability.py calls `run` for the parts `--only` names."""
+`hangup` (dropped OpenAI streams and abandoned SDK samples: how long the sampler keeps
+working for nobody) too. bench/reliability.py calls `run` for the parts `--only` names."""
 
 from __future__ import annotations
 
@@ -10,8 +11,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-PARTS = ("poison_row", "quota_race")
-SUMMARY = {"poison_row_failed_others": "poison_row", "quota_overshoot": "quota_race"}
+PARTS = ("poison_row", "quota_race", "hangup")
+SUMMARY = {
+    "poison_row_failed_others": "poison_row",
+    "quota_overshoot": "quota_race",
+    "hangup_busy_s": "hangup",
+}
 """The summary figure each part gives (bench/reliability.py prints those of the parts run)."""
 
 
@@ -59,5 +64,24 @@ def run(
                 f"{race['samples_ok']} ok / {race['samples_refused']} refused, "
                 f"{race['sampled_tokens']:.0f} tokens (over by {race['quota_overshoot_tokens']:.0f}); "
                 f"unexpected answers {len(race['unexpected'])}",
+            )
+        )
+    if "hangup" in parts:
+        from tests.reliability.hangup import run_hangup
+
+        log("hangup: dropped streams and abandoned SDK samples ...")
+        hang = run_hangup(workdir / "hangup", log=log)
+        out["hangup"] = hang
+        out["hangup_busy_s"] = hang["hangup_busy_s"]
+        rows.append(
+            (
+                "hangup",
+                f"{hang['streams']} OpenAI streams of n={hang['n']} x {hang['max_tokens']} tokens "
+                "dropped after their first chunk; 4 SDK samples abandoned by a 1 s asyncio timeout",
+                f"sampler busy {hang['hangup_busy_s']} s after the last stream dropped, "
+                f"{hang['hangup_metered_tokens']:.0f} of {hang['hangup_max_tokens']} tokens "
+                f"drawn and metered; SDK: busy {hang['sdk_busy_s']} s (grace "
+                f"{hang['abandon_grace_s']} s), {hang['sdk_metered_tokens']:.0f} of "
+                f"{hang['sdk_max_tokens']} tokens",
             )
         )
