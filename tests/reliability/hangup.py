@@ -31,6 +31,7 @@ def run_hangup(
     n: int = 4,
     max_tokens: int = 1500,
     sdk_calls: int = 4,
+    sdk_timeout_s: float = 1.0,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     (key,) = tenant_keys(1, "hangup")
@@ -86,7 +87,7 @@ def run_hangup(
         out["hangup_metered_tokens"] = settled(before)
         out["hangup_max_tokens"] = streams * n * max_tokens
 
-        log(f"hangup: {sdk_calls} SDK samples abandoned by a 1 s asyncio timeout")
+        log(f"hangup: {sdk_calls} SDK samples abandoned by a {sdk_timeout_s} s asyncio timeout")
 
         async def abandon() -> None:
             client = tinker.ServiceClient(base_url=server.base_url, api_key=key)
@@ -96,10 +97,11 @@ def run_hangup(
                 call = sampler.sample_async(
                     types.ModelInput.from_ints([9, 8, 7, i]),
                     n,
-                    types.SamplingParams(max_tokens=max_tokens, temperature=1.0),
+                    # (stop=[]: no early end at EOS, so only the cancellation ends them)
+                    types.SamplingParams(max_tokens=max_tokens, temperature=1.0, stop=[]),
                 )
                 with contextlib.suppress(TimeoutError):  # the caller gives up: the point
-                    await asyncio.wait_for(call, 1.0)
+                    await asyncio.wait_for(call, sdk_timeout_s)
 
             await asyncio.gather(*(one(i) for i in range(sdk_calls)))
 
