@@ -78,6 +78,9 @@ class WatchedStream(StreamingResponse):
             self.on_gone()
         finally:
             watcher.cancel()
+            if not streaming.done():  # this task itself was cancelled (shutdown)
+                streaming.cancel()
+                await asyncio.gather(streaming, return_exceptions=True)
             close = getattr(self.body_iterator, "aclose", None)
             if close is not None:
                 await close()
