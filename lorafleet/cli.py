@@ -232,6 +232,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_queued_ops=args.max_queued_ops,
         host=args.host,
         port=args.port,
+        public_url=args.public_url,
+        public_prefixes=[_read_text(path, "--public-prefix") for path in args.public_prefix],
         engine=engine,
         torch_threads=args.torch_threads,
         batch_window_s=args.batch_window_ms / 1000.0,
@@ -247,6 +249,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except (RecoveryRefused, StoreError, TenantsFileError) as exc:
         raise SystemExit(f"lorafleet serve: {exc}") from None
     return 0
+
+
+def _read_text(path: str, flag: str) -> str:
+    """A UTF-8 text file named on the command line; a clear error naming the flag otherwise."""
+    from pathlib import Path
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SystemExit(f"{flag} {path}: cannot read it as UTF-8 text ({exc})") from None
+    if not text:
+        raise SystemExit(f"{flag} {path}: the file is empty")
+    return text
 
 
 def _serve_keys(
@@ -450,6 +465,21 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--public-prefix",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a file whose text (a system prompt, chat markers included) every tenant's prompts "
+        "may share prefix-cache blocks within; repeatable. Everything else is cached per tenant",
+    )
+    parser.add_argument(
+        "--public-url",
+        default=None,
+        help="the base URL clients reach this server at (https://tinker.example.com), which "
+        "signed download links and archive redirects name; default http://<host>:<port> "
+        "(the request's Host header is never used)",
+    )
     parser.add_argument(
         "--data-dir", required=True, help="SQLite state and adapter files (created 0700)"
     )

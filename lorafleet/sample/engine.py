@@ -629,16 +629,27 @@ class SampleEngine:
             group.prompt_ids = request.prompt.tolist()
         start = None if group.prompt_recorded else request.prompt_logits_from
         limit = request.prompt_len - 1 if start is None else min(start, request.prompt_len - 1)
-        return self.prefix_cache.lookup(group.prefix_root, group.prompt_ids, limit)
+        return self.prefix_cache.lookup(
+            group.prefix_root,
+            group.prompt_ids,
+            limit,
+            request.cache_salt,
+            request.public_prefixes,
+        )
 
     def _cache_prefix(self, group: _Group, row: int, tokens: list[int]) -> None:
         """Adds the full blocks of `tokens`, whose KV row `row` holds, to the prefix cache
         (skipped, and counted, when the device has no memory left for the copy)."""
         if group.prefix_root is not None and self.prefix_cache.enabled:
             root = group.prefix_root
+            request = group.request
             oom = self._out_of_memory(
                 lambda: self.prefix_cache.insert(
-                    root, tokens, lambda start, stop: self.cache.read_span(row, start, stop)
+                    root,
+                    tokens,
+                    lambda start, stop: self.cache.read_span(row, start, stop),
+                    request.cache_salt,
+                    request.public_prefixes,
                 )
             )
             if oom is not None:
@@ -756,7 +767,9 @@ class SampleEngine:
                     torch.cat([block.values for block in blocks], dim=2).to(self.device),
                 )
             hit_len.append(len(blocks) * self.prefix_cache.block_tokens)
-            self.prefix_cache.record(hit_len[b], group.request.prompt_len - hit_len[b])
+            self.prefix_cache.record(
+                hit_len[b], group.request.prompt_len - hit_len[b], group.request.cache_salt
+            )
         new_len = [g.request.prompt_len - h for g, h in zip(groups, hit_len, strict=True)]
         input_ids = torch.zeros(len(groups), max(new_len), dtype=torch.int64)
         pick_rows: list[int] = []

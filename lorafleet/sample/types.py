@@ -74,6 +74,11 @@ class SampleRequest:
     # error that counts the tokens it had produced. Samplers whose batches run elsewhere may
     # finish it instead.
     cancel: threading.Event | None = None
+    # Whose prompt this is, for the prefix cache (prefix_cache.py): its blocks are found only by
+    # requests with the same salt, except within one of `public_prefixes` (token ids declared
+    # shareable, e.g. an operator's system prompt). "": shared with every unsalted request.
+    cache_salt: str = ""
+    public_prefixes: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)

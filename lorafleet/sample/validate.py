@@ -61,6 +61,8 @@ class PreparedRequest:
     targets: torch.Tensor | None = None  # int64 [P - 1, K], -1 = unused
     targets_from: int = 0  # first row of `targets` that names an id (earlier rows: nothing)
     alt_k: int = 0
+    cache_salt: str = ""  # the prefix cache's owner of this prompt (SampleRequest.cache_salt)
+    public_prefixes: tuple[tuple[int, ...], ...] = ()
 
     @property
     def prompt_len(self) -> int:
@@ -278,7 +280,15 @@ def prepare_request(index: int, request: SampleRequest, limits: ModelLimits) -> 
         targets=targets,
         targets_from=targets_from,
         alt_k=alt_k,
+        cache_salt=_salt(request.cache_salt),
+        public_prefixes=request.public_prefixes,
     )
+
+
+def _salt(value: object) -> str:
+    if not isinstance(value, str):
+        raise RequestError(f"cache_salt must be a string, got {type(value).__name__}")
+    return value
 
 
 def prepare_all(

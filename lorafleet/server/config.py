@@ -9,7 +9,7 @@ from typing import Any
 
 from lorafleet.engines import EngineConfig
 from lorafleet.server.http import resource_json, schemas
-from lorafleet.server.http.served import RequestLimits
+from lorafleet.server.http.served import RequestLimits, prompt_bytes_cap
 from lorafleet.server.ops.scheduler import DEFAULT_ROUND_TOKENS
 
 
@@ -20,6 +20,9 @@ class ServerConfig:
     api_keys: list[str]
     host: str = "127.0.0.1"
     port: int = 8000
+    # the base URL signed links and redirects name (http/public_url.py), never the request's
+    # Host header; None: http://<host>:<port>
+    public_url: str | None = None
     engine: EngineConfig | None = None  # None: defaults for `base_model`
     # retrieve_future holds this long before try_again: the SDK's read timeout for it is 45 s
     # (tinker/lib/api_future_impl.py), and each early try_again costs the client a log line
@@ -50,6 +53,13 @@ class ServerConfig:
     # as Python objects until it is encoded, several times this (docs/reliability.md)
     max_response_bytes: int = 6 << 20
     max_topk_logprobs: int = 20  # topk_sample/topk_prompt_logprobs (see served.RequestLimits)
+    # the bytes of text one request may hand the tokenizer: an OpenAI prompt, a chat's messages
+    # together, the chat template's output; checked before the tokenizer runs. None:
+    # PROMPT_BYTES_PER_TOKEN per token of the base's context (at least MIN_PROMPT_BYTES)
+    max_prompt_bytes: int | None = None
+    # texts (system prompts) whose KV every tenant's prompts may share in the prefix cache;
+    # everything else is cached per tenant (sample/prefix_cache.py)
+    public_prefixes: list[str] = field(default_factory=list)
     torch_threads: int | None = None
     # finished results: in memory up to this many bytes in all (newest kept)...
     results_memory_bytes: int = 64 << 20
@@ -82,12 +92,20 @@ class ServerConfig:
     console_streams: int = 64
     console_streams_per_session: int = 4
     console_streams_per_tenant: int = 16  # one tenant's sessions together
+    # of `console_streams`, the last places kept for operators, and before them for tenants
+    # holding no stream yet (console/sse.py): filled per-tenant bounds lock nobody out
+    console_operator_streams: int = 4
+    console_newcomer_streams: int = 8
+    # the share of wall time (of one core) the console's snapshots may take, all streams
+    # together; more streams stretch each one's cadence instead
+    console_cpu_share: float = 0.1
     console_refresh_s: float = 1.0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def request_limits(config: ServerConfig) -> RequestLimits:
+def request_limits(config: ServerConfig, context_length: int | None = None) -> RequestLimits:
     return RequestLimits(
+        max_prompt_bytes=prompt_bytes_cap(config.max_prompt_bytes, context_length),
         max_num_samples=config.max_num_samples,
         max_response_bytes=config.max_response_bytes,
         max_topk_logprobs=config.max_topk_logprobs,

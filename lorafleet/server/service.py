@@ -29,6 +29,7 @@ from lorafleet.server.console import Sources, build_console
 from lorafleet.server.engine.executor import Executor
 from lorafleet.server.http import schemas
 from lorafleet.server.http.aliases import Aliases
+from lorafleet.server.http.public_url import public_base_url
 from lorafleet.server.http.resources import Rest
 from lorafleet.server.http.sampling import Sampling
 from lorafleet.server.http.served import RequestLimits, ServedBase
@@ -91,6 +92,17 @@ def build_executor(
         has_work=has_work,
         share_weight=share_weight,
         max_resident=max_resident,
+    )
+
+
+def public_prefix_tokens(text: Text, prefixes: list[str]) -> tuple[tuple[int, ...], ...]:
+    """The operator's public prefixes as the token ids prompts start with (no special tokens
+    added: a chat template's own markers are part of the declared text when they should be)."""
+    if not prefixes:
+        return ()
+    tokenizer = text.tokenizer()
+    return tuple(
+        tuple(int(t) for t in tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prefixes
     )
 
 
@@ -227,7 +239,11 @@ class Service:
     def _build_handlers(self) -> None:
         """The parts the routes call; none of them starts a thread or holds a resource."""
         config = self.config
-        self.served = served_base(self.executor, request_limits(config), config.tokenizer_cache)
+        self.served = served_base(
+            self.executor,
+            request_limits(config, self.executor.context_length),
+            config.tokenizer_cache,
+        )
         self.started_at = time.time()
         engine = EngineCalls(self.scheduler, self.executor)
         ownership = Ownership(self.store)
@@ -244,7 +260,9 @@ class Service:
             quotas=self.quotas,
         )
         signer = UrlSigner(load_or_create_secret(self.data_dir))  # download links (signed_urls.py)
-        self.sessions = Sessions(self.store, ownership, engine, signer)
+        # what links and redirects name: the configured address, never a request's Host
+        public_url = public_base_url(config.public_url, config.host, config.port)
+        self.sessions = Sessions(self.store, ownership, engine, signer, public_url)
         self.training = Training(
             ownership, self.intake, self.served, max_body_bytes=config.max_body_bytes
         )
@@ -253,17 +271,28 @@ class Service:
         self.sampling = Sampling(self.store, ownership, self.intake, self.served, self.abandoned)
         # the OpenAI-compatible routes: the same intake and sampler, model names via aliases
         self.aliases = Aliases(self.store, ownership, self.served)
+        text = Text(self.served.base_path)
+        self.executor.sample_batches.public_prefixes = public_prefix_tokens(
+            text, config.public_prefixes
+        )
         self.completions = Completions(
             self.intake,
             self.futures,
             Models(self.store, ownership, self.served, self.aliases),
             self.served,
-            Text(self.served.base_path),
+            text,
             config.long_poll_s,
             self.executor.sampler.features,
         )
         self.rest = Rest(
-            self.store, ownership, engine, self.served, signer, self.data_dir, self.quotas
+            self.store,
+            ownership,
+            engine,
+            self.served,
+            signer,
+            self.data_dir,
+            self.quotas,
+            public_url=public_url,
         )
         self.usage = Usage(
             self.store,
@@ -294,6 +323,9 @@ class Service:
             streams=config.console_streams,
             streams_per_session=config.console_streams_per_session,
             streams_per_tenant=config.console_streams_per_tenant,
+            operator_streams=config.console_operator_streams,
+            newcomer_streams=config.console_newcomer_streams,
+            cpu_share=config.console_cpu_share,
             refresh_s=config.console_refresh_s,
         )
         self._engine = engine

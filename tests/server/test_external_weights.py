@@ -100,11 +100,12 @@ def test_plain_export_urls_and_signed_links(server, client_a, base_model):
     # a correctly signed link that has expired
     signer = server.service.rest.signer
     tenant = server.service.store.checkpoints.get(path).tenant
-    resource = f"{path}/adapter_model.safetensors"
+    version = parse_qs(urlsplit(url).query)["version"][0]  # the save the link is bound to
+    resource = f"{path}/adapter_model.safetensors@{version}"
     old = signer.sign(tenant, resource, now=time.time() - 2 * signer.ttl_s)
     assert _status(_with_query(url, **old.query)) == 403
     # a valid signature for a name that is not one of the export's files serves nothing
-    outside = signer.sign(tenant, f"{path}/lorafleet.db")
+    outside = signer.sign(tenant, f"{path}/lorafleet.db@{version}")
     target = url.replace("adapter_model.safetensors", "lorafleet.db")
     assert _status(_with_query(target, **outside.query)) == 404
 

@@ -85,6 +85,9 @@ class SampleBatches:
         self.store = store
         self.publisher = publisher  # which version of a checkpoint or ephemeral save is current
         self.ephemeral_limit = publisher.ephemeral_limit  # named in the error for one that is gone
+        # token ids every tenant's prompts may share prefix-cache blocks within (an operator's
+        # system prompts, `ServerConfig.public_prefixes`); all else is cached per tenant
+        self.public_prefixes: tuple[tuple[int, ...], ...] = ()
 
     def run(self, jobs: list[Job]) -> list[Result]:
         """Runs the jobs' samples to completion in one call (samplers without a running batch)."""
@@ -135,6 +138,9 @@ class SampleBatches:
                 prompt_alt_tokens_k=args.alt_k,
                 on_token=args.on_token,
                 cancel=args.cancel,
+                # the prefix cache keeps each tenant's prompts to that tenant (prefix_cache.py)
+                cache_salt=job.tenant,
+                public_prefixes=self.public_prefixes,
             )
             batch.append((i, args, request))
         return results, batch

@@ -232,6 +232,31 @@ def check_num_samples(num_samples: int, max_num_samples: int) -> None:
         raise UserError(f"num_samples must be between 1 and {max_num_samples}, got {num_samples}")
 
 
+# Stop strings are checked at every sampled token of every row, over a decoded window of 4
+# tokens per character of the longest one (sample/stops.py): their number and length are a
+# cost inside the shared sampling step, so they are bounded like any other field.
+MAX_STOP_ENTRIES = 64
+MAX_STOP_CHARS = 128
+
+
+def check_stop(stop: str | list[str] | list[int] | None, field: str) -> None:
+    """At most MAX_STOP_ENTRIES stops, strings of at most MAX_STOP_CHARS characters each."""
+    if stop is None:
+        return
+    entries = [stop] if isinstance(stop, str) else list(stop)
+    if len(entries) > MAX_STOP_ENTRIES:
+        raise UserError(
+            f"{field} holds {len(entries)} entries; this server takes at most {MAX_STOP_ENTRIES}"
+        )
+    for i, entry in enumerate(entries):
+        if isinstance(entry, str) and len(entry) > MAX_STOP_CHARS:
+            where = field if isinstance(stop, str) else f"{field}[{i}]"
+            raise UserError(
+                f"{where} is {len(entry)} characters long; this server takes stop strings of at "
+                f"most {MAX_STOP_CHARS} characters"
+            )
+
+
 # Wire bytes of a SampleResponse (engine/responses.sample_response): each sampled token is an int32 id and
 # a float32 logprob, each top-k entry the same pair, each prompt logprob a float32; a sequence's
 # own framing is generously rounded up.
@@ -322,6 +347,7 @@ def sample_args(
                 f"prompt_logprobs_last_n must be between 1 and len(prompt) - 1 = {len(prompt) - 1}, got {last_n}"
             )
     p = req.sampling_params
+    check_stop(p.stop, "sampling_params.stop")
     for name, value in (("temperature", p.temperature), ("top_p", p.top_p)):
         if not math.isfinite(value):
             raise UserError(f"sampling_params.{name} must be finite, got {value!r}")

@@ -98,7 +98,16 @@ class _Search:
 
 
 class Sessions:
-    def __init__(self, store: Store, ownership: Ownership, engine: EngineCalls, signer: UrlSigner):
+    def __init__(
+        self,
+        store: Store,
+        ownership: Ownership,
+        engine: EngineCalls,
+        signer: UrlSigner,
+        public_url: str = "http://127.0.0.1:8000",
+    ):
+        """`public_url`: the base trace links name (public_url.py), never a request's Host."""
+        self.public_url = public_url
         self.store = store
         self.ownership = ownership
         self.engine = engine
@@ -236,11 +245,11 @@ class Sessions:
             )
         return when.timestamp(), cursor.last_session_id
 
-    def trace_export(self, tenant: Tenant, session_id: str, base_url: str) -> dict[str, Any]:
+    def trace_export(self, tenant: Tenant, session_id: str) -> dict[str, Any]:
         """The trace is built when its link is fetched, so it is always ready here."""
         self.ownership.session(tenant, session_id, active=False)
         link = self.signer.sign(tenant.id, f"trace/{session_id}")
-        url = f"{base_url}{TRACES_ROUTE}/{quote(session_id)}?{urlencode(link.query)}"
+        url = f"{self.public_url}{TRACES_ROUTE}/{quote(session_id)}?{urlencode(link.query)}"
         return {"status": "ready", "url": url}
 
     def trace(

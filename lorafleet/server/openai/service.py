@@ -33,6 +33,7 @@ from lorafleet.server.openai import asks, render
 from lorafleet.server.openai.errors import OpenAIError, body
 from lorafleet.server.openai.errors import from_failed_result as failed
 from lorafleet.server.openai.models import Models, Target
+from lorafleet.server.openai.sizes import openai_response_bytes
 from lorafleet.server.openai.text import Incremental, Text, cut_at_stop, safe_prefix
 from lorafleet.server.ops.futures import FutureTable, Result
 from lorafleet.server.ops.intake import Intake, Place
@@ -111,6 +112,30 @@ class Completions:
                 code="unsupported",
             )
 
+    def _check_response_size(self, ask: asks.Ask, args: Sample) -> None:
+        """The JSON response's size (sizes.py), which is several times the Tinker estimate
+        `check_sample_cost` made: log-prob entries are objects here, repeated per choice."""
+        limit = self.served.limits.max_response_bytes
+        max_new = args.params.max_tokens
+        if max_new is None:  # check_sample_cost let it through: the context bounds it
+            max_new = max((self.served.context_length or 0) - len(ask.prompt), 0)
+        size = openai_response_bytes(ask, max_new)
+        if size <= limit:
+            return
+        tokens = "max_completion_tokens" if ask.chat else "max_tokens"
+        what = f"n {ask.n} x {tokens} {max_new}"
+        field = tokens
+        if ask.logprobs:
+            top = "top_logprobs" if ask.chat else "logprobs"
+            what += f" x (1 + {top} {ask.logprobs}) log-prob entries"
+            field = top
+        raise OpenAIError(
+            f"this request's response could carry about {size} bytes of JSON ({what}, each with "
+            f"its text and framing), more than this server's limit of {limit} bytes per response; "
+            "ask for fewer choices, tokens or top log-probs",
+            field,
+        )
+
     def submit(
         self,
         tenant: Tenant,
@@ -150,6 +175,7 @@ class Completions:
         except UserError as exc:
             field = "max_completion_tokens" if ask.chat else "max_tokens"
             raise OpenAIError(exc.message, field) from None
+        self._check_response_size(ask, args)
         promise = self.intake.submit(tenant, args, Place(), parse.fingerprint(raw))
         return promise.request_id
 
