@@ -108,7 +108,7 @@ def create_app(service: Service) -> FastAPI:
     session_routes.add_routes(app, service.sessions, bodies)
     training_routes.add_routes(app, service.training, bodies)
     sampling_routes.add_routes(app, service.sampling, bodies)
-    retrieve.add_routes(app, service.retrieve, bodies)
+    retrieve.add_routes(app, service.retrieve, bodies, service.poll_lost)
     resource_routes.add_routes(app, service.rest, bodies)
     usage_routes.add_routes(app, service.usage)  # /api/v1/lorafleet/usage, and /metrics (operators)
     run_metric_routes.add_routes(app, service.run_metrics, bodies)  # a client's curves (console)

@@ -27,6 +27,9 @@ class ServerConfig:
     # retrieve_future holds this long before try_again: the SDK's read timeout for it is 45 s
     # (tinker/lib/api_future_impl.py), and each early try_again costs the client a log line
     long_poll_s: float = 40.0
+    # a sample whose client hung up during a retrieve_future poll and did not poll again
+    # within this many seconds is cancelled (ops/abandoned.py): its rows are freed
+    abandon_grace_s: float = 5.0
     batch_window_s: float = 0.005  # lets requests that arrive together share a batch
     # a seq_id missing this long is skipped (scheduler._expire_gaps); the SDK numbers a call
     # before sending it, so a lost request would otherwise hold up its model for good

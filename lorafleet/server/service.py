@@ -41,6 +41,7 @@ from lorafleet.server.openai.models import Models
 from lorafleet.server.openai.service import Completions
 from lorafleet.server.openai.text import Text
 from lorafleet.server.ops import health
+from lorafleet.server.ops.abandoned import AbandonedSamples
 from lorafleet.server.ops.admission import Admission
 from lorafleet.server.ops.engine_calls import EngineCalls
 from lorafleet.server.ops.futures import JSON, FutureTable, Result
@@ -272,7 +273,11 @@ class Service:
             max_body_bytes=config.max_body_bytes,
             stability_policy=stability_policy,
         )
-        self.sampling = Sampling(self.store, ownership, self.intake, self.served, stability_policy)
+        self.abandoned = AbandonedSamples(self.futures, config.abandon_grace_s)
+        self._closing.callback(self.abandoned.close)
+        self.sampling = Sampling(
+            self.store, ownership, self.intake, self.served, stability_policy, self.abandoned
+        )
         # the OpenAI-compatible routes: the same intake and sampler, model names via aliases
         self.aliases = Aliases(self.store, ownership, self.served)
         text = Text(self.served.base_path)
@@ -474,7 +479,17 @@ class Service:
 
     async def retrieve(self, tenant: Tenant, body: Any) -> Result | None:
         req = schemas.parse(schemas.RetrieveFuture, body)
-        return await self.futures.wait(req.request_id, tenant.id, self.config.long_poll_s)
+        self.abandoned.poll_began(req.request_id, tenant.id)
+        try:
+            return await self.futures.wait(req.request_id, tenant.id, self.config.long_poll_s)
+        finally:
+            self.abandoned.poll_ended(req.request_id, tenant.id)
+
+    def poll_lost(self, tenant: Tenant, body: Any) -> None:
+        """The client hung up during a `retrieve_future` poll: a sample nobody polls again
+        within `abandon_grace_s` is cancelled (ops/abandoned.py)."""
+        if isinstance(body, dict) and isinstance(body.get("request_id"), str):
+            self.abandoned.poll_lost(body["request_id"], tenant.id)
 
     def health(self) -> tuple[int, dict[str, str]]:
         """What /healthz answers (unauthenticated, so nothing but states): see health.py."""

@@ -8,6 +8,7 @@ same shares as the training rounds (fair_share.py)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -40,12 +41,15 @@ def _not_run() -> Result:
 
 
 def _result(output: SampleResult, args: Sample) -> Result:
-    """The response of a sample that ran (or the error that stopped it)."""
-    if output.error is not None and output.error.code == "engine_unavailable":
-        # the rollout replicas are down or restarting: the request is fine, retry it later
-        return Result.error(ServerFault(f"sample: {strip_paths(output.error.message)}", status=503))
+    """The sampler's outcome as the future's result. A failed or cancelled request carries the
+    work it did (`SampleResult.prefill_tokens`, `sampled_tokens`) for metering."""
     if output.error is not None:
-        return Result.error(UserError(f"sample: {strip_paths(output.error.message)}"))
+        return replace(
+            Result.error(_error(output.error.code, output.error.message)),
+            prefill_tokens=output.prefill_tokens,
+            sampled_tokens=output.sampled_tokens,
+            cached_prompt_tokens=output.prompt_cache_hit_tokens,
+        )
     return Result.proto(
         responses.sample_response(
             output,
@@ -57,21 +61,38 @@ def _result(output: SampleResult, args: Sample) -> Result:
         ),
         sampled_tokens=sum(len(seq.tokens) for seq in output.sequences),
         cached_prompt_tokens=output.prompt_cache_hit_tokens,
+        prefill_tokens=len(args.prompt),
     )
 
 
 def _recorded_result(output: SampleResult, args: Sample, job: Job, store: Store) -> Result:
     """As `_result`, and for a `record_stability_info` sample its stability record written
     first: a sample whose record cannot be kept fails (its sequences could not be trained with
-    stable_reinforce, which is what the client asked to record them for)."""
+    stable_reinforce, which is what the client asked to record them for), charged the work it
+    did like any failed sample."""
     if args.record is not None and output.error is None:
         try:
             stability.write_record(
                 store, job.request_id, job.tenant, args.record, args.prompt, output
             )
         except ApiError as exc:
-            return Result.error(exc)
+            return replace(
+                Result.error(exc),
+                prefill_tokens=len(args.prompt),
+                sampled_tokens=sum(len(seq.tokens) for seq in output.sequences),
+                cached_prompt_tokens=output.prompt_cache_hit_tokens,
+            )
     return _result(output, args)
+
+
+def _error(code: str, message: str) -> ApiError:
+    text = f"sample: {strip_paths(message)}"
+    if code == "engine_unavailable":
+        # the rollout replicas are down or restarting: the request is fine, retry it later
+        return ServerFault(text, status=503)
+    if code == "internal_error":  # this request's own work failed (the others went on)
+        return ServerFault(text)
+    return UserError(text)
 
 
 class SampleBatches:
@@ -141,6 +162,7 @@ class SampleBatches:
                 target_prompt_logprobs=None if args.targets is None else args.targets.ids,
                 prompt_alt_tokens_k=args.alt_k,
                 on_token=args.on_token,
+                cancel=args.cancel,
                 # the prefix cache keeps each tenant's prompts to that tenant (prefix_cache.py)
                 cache_salt=job.tenant,
                 public_prefixes=self.public_prefixes,

@@ -16,6 +16,7 @@ from typing import Any
 
 from lorafleet.adapters.hparams import DimuonHParams, OptimHParams
 from lorafleet.sample.types import SamplingParams
+from lorafleet.sample.validate import MAX_SEED, MIN_TEMPERATURE
 from lorafleet.server.errors import UserError
 from lorafleet.server.http import prompt_targets, schemas
 from lorafleet.server.http.served import RequestLimits, ServedBase
@@ -354,9 +355,19 @@ def sample_args(
     for name, value in (("temperature", p.temperature), ("top_p", p.top_p)):
         if not math.isfinite(value):
             raise UserError(f"sampling_params.{name} must be finite, got {value!r}")
+    if p.temperature < 0:
+        raise UserError(f"sampling_params.temperature must be >= 0, got {p.temperature!r}")
+    if not 0 < p.top_p <= 1:
+        raise UserError(f"sampling_params.top_p must be in (0, 1], got {p.top_p!r}")
+    if p.seed is not None and not -MAX_SEED < p.seed < MAX_SEED:
+        raise UserError(
+            f"sampling_params.seed must be a 64-bit integer, got one of {p.seed.bit_length()} bits"
+        )
+    # (as the sampler does: below it, float32 logits / temperature overflow)
+    temperature = MIN_TEMPERATURE if 0 < p.temperature < MIN_TEMPERATURE else p.temperature
     params = SamplingParams(
         max_tokens=p.max_tokens,
-        temperature=p.temperature,
+        temperature=temperature,
         top_k=p.top_k,
         top_p=p.top_p,
         stop=p.stop,

@@ -298,8 +298,6 @@ class Rest:
                 "sampler checkpoint it came from"
             )
         source = self.ownership.readable_checkpoint(tenant, source_path)
-        if self.quotas is not None:
-            self.quotas.check_storage(tenant.id, source.size_bytes or 0)
         if source.tenant != tenant.id and source.kind == "training":
             raise UserError(
                 f"{source_path} is another tenant's training checkpoint: a copy would hold its "
@@ -333,7 +331,21 @@ class Rest:
             self._add_copy(tenant, source, dest_path, dest, session_id, expires_at, idempotency_key)
             return {"tinker_path": str(dest_path)}
 
-        return self.engine.scheduler.call(copy)
+        # reserved now, while it waits for the worker, and held until its row is written
+        release = (
+            self.quotas.reserve_storage(tenant.id, source.size_bytes or 0)
+            if self.quotas is not None
+            else None
+        )
+        try:
+            future = self.engine.scheduler.call(copy)
+        except BaseException:
+            if release is not None:
+                release()
+            raise
+        if release is not None:
+            future.add_done_callback(lambda _done: release())
+        return future
 
     def _copy_session(
         self, tenant: Tenant, req: schemas.CopyWeights, source: TinkerPath

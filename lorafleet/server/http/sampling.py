@@ -3,13 +3,16 @@ the SDK derives) and sample requests, which are not ordered by seq_id but dedupl
 
 from __future__ import annotations
 
+import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 from lorafleet.server.errors import ApiError, Conflict, UserError
 from lorafleet.server.http import parse, schemas
 from lorafleet.server.http.served import ServedBase
 from lorafleet.server.ops import stability
+from lorafleet.server.ops.abandoned import AbandonedSamples
 from lorafleet.server.ops.intake import Intake, Place
 from lorafleet.server.ops.stability import StabilityPolicy
 from lorafleet.server.ops.types import Op, Recording, Refused, Sample
@@ -28,12 +31,14 @@ class Sampling:
         intake: Intake,
         served: ServedBase,
         stability_policy: StabilityPolicy | None = None,
+        abandoned: AbandonedSamples | None = None,
     ):
         self.store = store
         self.ownership = ownership
         self.intake = intake
         self.served = served
         self.stability_policy = stability_policy or StabilityPolicy()
+        self.abandoned = abandoned  # cancels samples whose client stopped polling
 
     def create_session(self, tenant: Tenant, body: Any) -> dict[str, Any]:
         req = schemas.parse(schemas.CreateSamplingSession, body)
@@ -104,8 +109,9 @@ class Sampling:
             raise UserError("asample needs sampling_session_id, model_path or base_model")
         record = self._recording(tenant, req, session_id)
         op: Op
+        cancel = threading.Event()  # set once its client has stopped polling (abandoned.py)
         try:
-            op = parse.sample_args(req, adapter, checkpoint_path, record)
+            op = replace(parse.sample_args(req, adapter, checkpoint_path, record), cancel=cancel)
             parse.check_sample_cost(op, self.served.limits, self.served.context_length)
         except ApiError as exc:
             op = Refused(exc, "sample")
@@ -117,6 +123,8 @@ class Sampling:
             stability.check_room(self.store, tenant.id, self.stability_policy, bound)
         place = Place(scope=scope, seq_id=req.seq_id if scope is not None else None)
         promise = self.intake.submit(tenant, op, place, parse.fingerprint(body))
+        if self.abandoned is not None and not isinstance(op, Refused):
+            self.abandoned.register(promise.request_id, tenant.id, cancel)
         return {
             **promise.json(),
             "sample_sequence_ids": ids.sample_sequence_ids(promise.request_id, req.num_samples),

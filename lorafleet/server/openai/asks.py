@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from lorafleet.sample.validate import MAX_SEED
 from lorafleet.server.http.parse import MAX_STOP_CHARS
 from lorafleet.server.http.served import RequestLimits
 from lorafleet.server.openai.errors import OpenAIError, unsupported
@@ -171,6 +172,10 @@ def _common(body: Any, limits: RequestLimits) -> dict[str, Any]:
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise OpenAIError(f"seed must be an integer, got {seed!r}", "seed")
+    if seed is not None and not -MAX_SEED < seed < MAX_SEED:
+        raise OpenAIError(
+            f"seed must be a 64-bit integer, got one of {seed.bit_length()} bits", "seed"
+        )
     return {
         "model": model,
         "n": n,

@@ -55,6 +55,7 @@ class Result:
     sampled_tokens: int = field(default=0, compare=False, repr=False)
     # prompt tokens a sample's prefill took from the prefix cache (metered apart from the rest)
     cached_prompt_tokens: int = field(default=0, compare=False, repr=False)
+    prefill_tokens: int = field(default=0, compare=False, repr=False)  # (samples, for metering)
 
     @staticmethod
     def json(obj: object) -> Result:
@@ -68,6 +69,7 @@ class Result:
         metrics: Mapping[str, float] | None = None,
         sampled_tokens: int = 0,
         cached_prompt_tokens: int = 0,
+        prefill_tokens: int = 0,
     ) -> Result:
         return Result(
             PROTOBUF,
@@ -75,6 +77,7 @@ class Result:
             metrics=metrics,
             sampled_tokens=sampled_tokens,
             cached_prompt_tokens=cached_prompt_tokens,
+            prefill_tokens=prefill_tokens,
         )
 
     @staticmethod

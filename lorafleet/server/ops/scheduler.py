@@ -52,6 +52,7 @@ from lorafleet.server.ops.types import (
     Forward,
     ForwardBackward,
     Job,
+    Sample,
     Stage,
     TrainOp,
     train_op,
@@ -518,6 +519,8 @@ class Scheduler:
                     self._dequeue(job)  # a split call's chunk: the call fails as a whole
             error = self._failure("running the request", exc)
             for job in jobs:
+                if isinstance(job.op, Sample) and job.op.cancel is not None:
+                    job.op.cancel.set()  # its rows, if still in the sampler, leave at its next step
                 self._finish(job, error)
         finally:
             self._round_began = None

@@ -20,6 +20,7 @@ its attributes.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -277,6 +278,9 @@ class Sample:
     record: Recording | None = None  # record_stability_info: keep a stability record
     # Progress for a streaming caller (the OpenAI routes); never part of the request's identity.
     on_token: TokenHook | None = field(default=None, compare=False, repr=False)
+    # Set when the client is gone (a closed stream, an abandoned long-poll): the sampler drops
+    # the request's rows at its next step; the tokens it produced are still metered.
+    cancel: threading.Event | None = field(default=None, compare=False, repr=False)
 
     kind: ClassVar[str] = "sample"
     stage: ClassVar[Stage] = Stage.SAMPLE
