@@ -27,8 +27,8 @@ from lorafleet.model.hub_cache import publish_tokenizer, tokenizer_name
 from lorafleet.server.config import ServerConfig, request_limits
 from lorafleet.server.console import Sources, build_console
 from lorafleet.server.engine.executor import Executor
-from lorafleet.server.http import schemas
 from lorafleet.server.http.aliases import Aliases
+from lorafleet.server.http.off_loop import Lanes
 from lorafleet.server.http.resources import Rest
 from lorafleet.server.http.sampling import Sampling
 from lorafleet.server.http.served import RequestLimits, ServedBase
@@ -224,8 +224,16 @@ class Service:
         self._done("engine")
 
     def _build_handlers(self) -> None:
-        """The parts the routes call; none of them starts a thread or holds a resource."""
+        """The parts the routes call; only the request lanes hold threads (started on the
+        first request, ended at close)."""
         config = self.config
+        # every route's blocking work, off the event loop (http/off_loop.py)
+        self.lanes = Lanes(
+            config.request_workers,
+            large_bytes=config.large_body_bytes,
+            large_workers=config.large_body_workers,
+        )
+        self._closing.callback(self.lanes.close)
         self.served = served_base(self.executor, request_limits(config), config.tokenizer_cache)
         self.started_at = time.time()
         engine = EngineCalls(self.scheduler, self.executor)
@@ -258,6 +266,7 @@ class Service:
             Text(self.served.base_path),
             config.long_poll_s,
             self.executor.sampler.features,
+            self.lanes,
         )
         self.rest = Rest(
             self.store, ownership, engine, self.served, signer, self.data_dir, self.quotas
@@ -432,10 +441,6 @@ class Service:
             return
         self.reloader.request()
 
-    async def retrieve(self, tenant: Tenant, body: Any) -> Result | None:
-        req = schemas.parse(schemas.RetrieveFuture, body)
-        return await self.futures.wait(req.request_id, tenant.id, self.config.long_poll_s)
-
     def health(self) -> tuple[int, dict[str, str]]:
         """What /healthz answers (unauthenticated, so nothing but states): see health.py."""
         return health.report(
@@ -455,6 +460,7 @@ class Service:
             "uptime_s": time.time() - self.started_at,
             "recovered": self.recovered,
             "maintenance_failures": self.maintenance_failures,
+            "request_lanes": self.lanes.stats().as_dict(),
             "queued_ops": self.admission.queued(),
             "max_queued_ops": self.admission.max_queued_ops,
             "queue_refused": self.admission.refused,

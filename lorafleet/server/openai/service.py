@@ -25,6 +25,7 @@ from lorafleet.sample.reports import SamplerFeatures
 from lorafleet.sample.types import SamplingParams
 from lorafleet.server.errors import ApiError, ServerFault, UserError
 from lorafleet.server.http import parse
+from lorafleet.server.http.off_loop import Lanes
 from lorafleet.server.http.served import ServedBase
 from lorafleet.server.openai import asks, render
 from lorafleet.server.openai.errors import OpenAIError, body
@@ -70,7 +71,10 @@ class Completions:
         text: Text,
         poll_s: float,
         features: SamplerFeatures,
+        lanes: Lanes,
     ):
+        """`lanes`: where a request's parsing, model lookup, submission and result lookup run,
+        off the event loop in its tenant's order (http/off_loop.py)."""
         self.intake = intake
         self.futures = futures
         self.models = models
@@ -78,6 +82,7 @@ class Completions:
         self.text = text
         self.poll_s = poll_s
         self.features = features  # what the sampler honours (`Sampler.features`)
+        self.lanes = lanes
 
     def parse(self, tenant: Tenant, raw: Any, chat: bool) -> tuple[asks.Ask, Target]:
         limits = self.served.limits
@@ -143,11 +148,19 @@ class Completions:
         promise = self.intake.submit(tenant, args, Place(), parse.fingerprint(raw))
         return promise.request_id
 
+    def _start(
+        self, tenant: Tenant, raw: Any, chat: bool, hook: StreamHook | None
+    ) -> tuple[asks.Ask, str]:
+        """Parsed, resolved and submitted (off the loop): the ask and its request id."""
+        ask, target = self.parse(tenant, raw, chat)
+        return ask, self.submit(tenant, raw, ask, target, hook)
+
     async def result(self, tenant: Tenant, rid: str) -> list[render.Sampled]:
         loop = asyncio.get_running_loop()
+        entry = await self.lanes.run(tenant.id, lambda: self.futures.find(rid, tenant.id))
         while True:
             started = loop.time()
-            result: Result | None = await self.futures.wait(rid, tenant.id, self.poll_s)
+            result: Result | None = await self.futures.wait_on(entry, self.poll_s)
             if result is not None:
                 break
             if loop.time() - started < self.poll_s / 2:  # released early: the table closed
@@ -157,18 +170,16 @@ class Completions:
         return render.sampled(result.body)
 
     async def answer(self, tenant: Tenant, raw: Any, chat: bool) -> dict[str, Any]:
-        ask, target = self.parse(tenant, raw, chat)
-        rid = self.submit(tenant, raw, ask, target, None)
+        ask, rid = await self.lanes.run(tenant.id, lambda: self._start(tenant, raw, chat, None))
         seqs = await self.result(tenant, rid)
         return render.response(ask, rid, int(time.time()), seqs, self.text)
 
-    def stream(self, tenant: Tenant, raw: Any, chat: bool) -> AsyncIterator[str]:
+    async def stream(self, tenant: Tenant, raw: Any, chat: bool) -> AsyncIterator[str]:
         """Everything that can fail at the door fails here, before the stream starts (as an
         ordinary JSON error); the returned iterator yields the server-sent events."""
-        ask, target = self.parse(tenant, raw, chat)
         queue: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
         hook = StreamHook(asyncio.get_running_loop(), queue)
-        rid = self.submit(tenant, raw, ask, target, hook)
+        ask, rid = await self.lanes.run(tenant.id, lambda: self._start(tenant, raw, chat, hook))
         return self._events(tenant, ask, rid, hook, queue)
 
     async def _events(
