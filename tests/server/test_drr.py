@@ -349,3 +349,34 @@ def test_a_multi_turn_call_runs_in_one_round_when_counted_after_sharing():
     train_rounds = [batch for kind, batch in executor.calls if kind == "train"]
     assert train_rounds == [[("m", 0, 10)]]
     assert worked == [sum(sizes)]
+
+
+def test_datum_costs_match_a_pairwise_comparison_of_every_window():
+    """The fast path (numpy, only datums that start alike compared) counts what comparing
+    each datum with each of its window's datums token by token counts."""
+    import random
+
+    import torch
+
+    from lorafleet.server.ops.fair_share import SHARING_WINDOW, datum_costs
+
+    def reference(rows: list[list[int]]) -> list[int]:
+        out = []
+        for i, row in enumerate(rows):
+            shared = 0
+            for other in rows[max(0, i - SHARING_WINDOW) : i]:
+                n = 0
+                while n < min(len(row), len(other)) and row[n] == other[n]:
+                    n += 1
+                shared = max(shared, n)
+            out.append(max(1, len(row) - shared))
+        return out
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3) for _ in range(rng.randrange(0, 6))] for _ in range(4)]
+    rows = [
+        rng.choice(prompts) + [rng.randrange(3) for _ in range(rng.randrange(0, 8))]
+        for _ in range(200)
+    ]
+    tokens = [torch.tensor(r, dtype=torch.int64) for r in rows]
+    assert datum_costs(tokens) == reference(rows)
