@@ -380,3 +380,25 @@ def test_datum_costs_match_a_pairwise_comparison_of_every_window():
     ]
     tokens = [torch.tensor(r, dtype=torch.int64) for r in rows]
     assert datum_costs(tokens) == reference(rows)
+
+
+def test_a_round_ends_with_the_cycle_in_which_a_stepping_tenant_got_all_its_work_in():
+    """A flooder's backlog beside two tenants stepping one small call at a time: the round
+    ends after one turn each (the flooder's quantum and their calls), not once the flooder's
+    tokens fill the budget, so their results come back after a short round. Backlogged
+    tenants alone still fill rounds, and the flooder's share over rounds is unchanged."""
+    drr = DeficitRoundRobin(quantum=128, weight_of=lambda t: 1.0)
+    flood = Work("F", "mf", 0, (16,) * 1000)
+    ready = {
+        "flood": [flood],
+        "s1": [Work("s1-op", "m1", 0, (16,))],
+        "s2": [Work("s2-op", "m2", 0, (16,))],
+    }
+    takes = drr.plan(ready, 512)
+    assert {t.key: t.tokens for t in takes} == {"F": 128, "s1-op": 16, "s2-op": 16}
+    # the stepping tenants wait on their results: the flooder alone fills the next round
+    alone = drr.plan({"flood": [Work("F", "mf", 8, flood.sizes)]}, 512)
+    assert [(t.key, t.tokens) for t in alone] == [("F", 512)]
+    # backlogged tenants only: nobody's work runs out, rounds fill as before
+    both = {t: [Work(f"{t}-op", f"{t}-m", 0, (16,) * 1000)] for t in ("a", "b")}
+    assert sum(t.tokens for t in drr.plan(both, 512)) == 512

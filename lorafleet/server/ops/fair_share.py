@@ -15,6 +15,12 @@ turn, so a large call runs in chunks over several rounds.
   banked while idle); it rejoins at the back when it has work again.
 - One datum bigger than the whole budget runs alone, as the first work of a round, once the
   tenant's deficit covers it (a datum is never split).
+- A round also ends at the end of a cycle of turns in which some tenant's ready work all ran
+  (that tenant now waits on the round's results) and more than one tenant ran: the round does
+  not fill the rest of its budget from the backlogged tenants' queues. A tenant stepping one
+  small call at a time beside a flooder then waits for one turn of each tenant (the flooder's
+  quantum), not for a whole budget of the flooder's tokens; while every tenant stays
+  backlogged, rounds still fill up. Shares are unchanged (deficits carry over as always).
 - `max_models` caps the distinct models in one round (the bank slots a round may use): a tenant
   whose next work is for another model passes its turn, but keeps the turn's credit (up to one
   round's budget in all). It is blocked, not idle: without that credit, with more backlogged
@@ -143,6 +149,18 @@ class DeficitRoundRobin:
         models: set[str] = set()
         remaining = budget
         idle_turns = 0  # turns in a row that ran nothing
+        cycle_left = len(self._order)  # turns until the current cycle of turns ends
+        drained = False  # a tenant's ready work all runs in this round: it waits on the round
+        ran_for: set[str] = set()  # tenants with work in this round
+
+        def cycle_done() -> bool:
+            """Counts a turn; True when it ended a cycle that should end the round too."""
+            nonlocal cycle_left
+            cycle_left -= 1
+            if cycle_left > 0:
+                return False
+            cycle_left = len(self._order)
+            return drained and len(ran_for) > 1
 
         def capped(model: str) -> bool:
             return max_models is not None and model not in models and len(models) >= max_models
@@ -157,6 +175,8 @@ class DeficitRoundRobin:
                 self._pass_turn()
                 idle_turns += 1
                 if idle_turns >= len(self._order) and self._all_capped(ready, cursor, capped):
+                    break
+                if cycle_done():
                     break
                 continue
             if self._credited != tenant:
@@ -183,6 +203,7 @@ class DeficitRoundRobin:
                     else Take(work.key, earlier.start, datum + 1, earlier.tokens + size)
                 )
                 ran = True
+                ran_for.add(tenant)
                 datum += 1
                 if datum == len(work.sizes):
                     index += 1
@@ -192,10 +213,13 @@ class DeficitRoundRobin:
             cursor[tenant] = (index, datum)
             if index == len(works):  # its ready work ran out: no credit kept
                 self._leave(tenant)
+                drained = True
             elif full or remaining <= 0:
                 break  # the round is full; the next one resumes this turn
             else:
                 self._pass_turn()
+            if cycle_done():
+                break
             idle_turns = 0 if ran else idle_turns + 1
             if idle_turns >= len(self._order) > 0:
                 self._fast_forward(ready, cursor, credit, capped)
