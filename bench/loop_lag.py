@@ -16,7 +16,8 @@ the next seq_id once the previous one was accepted. The server's queue bound
 (`--max-queued-ops`, 8) keeps the engine's backlog (and the server's memory) bounded: a body
 past it is still read, decoded and hashed, then answered 429, and its client waits the
 Retry-After the server names before it sends the same seq_id again, as the SDK does. The
-pinger runs in a process of its own, so its timings are not the bench's own event loop or GIL.
+pinger runs in a process of its own, so its timings are not the bench's own event loop or GIL;
+a ping's latency runs from when it was due (a stall counts for every ping it held up).
 
 First `--idle-seconds` of pings with no client sending (the floor), then `--seconds` of pings
 while the clients send. `p99_lag_ms` is the loaded p99 (target <= 50 ms); the JSON records the
@@ -56,28 +57,30 @@ TARGET_MS = 50.0
 
 
 def _pinger(url: str, interval_s: float, seconds: float, out: Any) -> None:
-    """Pings healthz every `interval_s` (on a fixed schedule, not after each answer, so a
-    stalled server shows as long waits, not as fewer pings); puts the latencies in seconds."""
+    """Pings healthz on a fixed schedule, one every `interval_s` for `seconds`, one at a time
+    as a probe does. A ping's latency runs from when it was due, not from when it could be
+    sent: while a stalled server holds one ping, the pings due meanwhile are sent as soon as
+    it answers and count the time they waited (what a client pinging every 50 ms sees; timing
+    from the send instead would hide a stall behind one slow sample). Puts the latencies in
+    seconds and the count of non-200 answers."""
     import httpx
 
     latencies: list[float] = []
     failures = 0
-    with httpx.Client(base_url=url, timeout=30) as client:
+    with httpx.Client(base_url=url, timeout=60) as client:
         client.get(HEALTHZ)  # the connection, opened before the clock starts
         start = time.perf_counter()
-        n = 0
-        while (due := start + n * interval_s) < start + seconds:
+        for n in range(max(1, round(seconds / interval_s))):
+            due = start + n * interval_s
             delay = due - time.perf_counter()
             if delay > 0:
                 time.sleep(delay)
-            began = time.perf_counter()
             try:
                 ok = client.get(HEALTHZ).status_code == 200
             except httpx.HTTPError:
                 ok = False
-            latencies.append(time.perf_counter() - began)
+            latencies.append(time.perf_counter() - due)
             failures += not ok
-            n += 1
     out.put((latencies, failures))
 
 
@@ -87,7 +90,7 @@ def ping(url: str, interval_s: float, seconds: float) -> tuple[list[float], int]
     process = context.Process(target=_pinger, args=(url, interval_s, seconds, out), daemon=True)
     process.start()
     try:
-        return out.get(timeout=seconds + 120)
+        return out.get(timeout=seconds + 600)
     finally:
         process.join(30)
 
