@@ -378,3 +378,34 @@ def test_errors_raised_off_the_loop_answer_as_before(
     with _client(server) as again:
         assert again.get(f"{API}/healthz").status_code == 200
         assert again.post(f"{API}/create_session", json={"tags": []}).status_code == 200
+
+
+def test_many_concurrent_requests_of_two_tenants_all_answer_and_the_lanes_drain(
+    server: ServerThread,
+):
+    """An outside tester's burst: 96 requests at once over two tenants, good and bad mixed,
+    each answered as it would be alone; nothing is left queued in the lanes afterwards."""
+
+    async def burst() -> list[int]:
+        async with (
+            httpx.AsyncClient(
+                base_url=server.base_url, headers={"X-API-Key": KEY_A}, timeout=WAIT_S
+            ) as a,
+            httpx.AsyncClient(
+                base_url=server.base_url, headers={"X-API-Key": KEY_B}, timeout=WAIT_S
+            ) as b,
+        ):
+            calls = []
+            for i in range(48):
+                client = a if i % 2 else b
+                calls += [
+                    client.post(f"{API}/create_session", json={"tags": [f"burst-{i}"]}),
+                    client.post(f"{API}/retrieve_future", json={"request_id": f"nope-{i}"}),
+                ]
+            replies = await asyncio.gather(*calls)
+            return [r.status_code for r in replies]
+
+    codes = asyncio.run(burst())
+    assert codes == [200, 404] * 48
+    _until(lambda: server.service.lanes.stats().queued == 0)
+    assert server.service.lanes.stats().workers <= server.config.request_workers
