@@ -31,6 +31,7 @@ from lorafleet.server.http import (
 )
 from lorafleet.server.http.bodies import BodyReader
 from lorafleet.server.http.error_handlers import install_error_handlers
+from lorafleet.server.http.off_loop import OffLoop
 from lorafleet.server.http.usage_routes import METRICS_ROUTE
 from lorafleet.server.openai import routes as openai_routes
 from lorafleet.server.service import Service
@@ -103,17 +104,21 @@ def create_app(service: Service) -> FastAPI:
     install_error_handlers(app)
     config = service.config
     bodies = BodyReader(config.max_body_bytes, config.max_json_bytes, config.body_timeout_s)
+    # bodies are read on the loop; everything done with them runs in the caller's lane
+    off = OffLoop(bodies, service.lanes)
     info.add_routes(app, service.served, health=service.health)
-    stats.add_routes(app, service.stats)
-    session_routes.add_routes(app, service.sessions, bodies)
-    training_routes.add_routes(app, service.training, bodies)
-    sampling_routes.add_routes(app, service.sampling, bodies)
-    retrieve.add_routes(app, service.retrieve, bodies, service.poll_lost)
-    resource_routes.add_routes(app, service.rest, bodies)
-    usage_routes.add_routes(app, service.usage)  # /api/v1/lorafleet/usage, and /metrics (operators)
-    run_metric_routes.add_routes(app, service.run_metrics, bodies)  # a client's curves (console)
-    console_routes.add_routes(app, service.console)  # /console: cookie sessions, not keys
-    openai_routes.add_routes(app, service.completions, service.aliases, bodies)  # /v1: OpenAI's API
+    stats.add_routes(app, service.stats, off)
+    session_routes.add_routes(app, service.sessions, off)
+    training_routes.add_routes(app, service.training, off)
+    sampling_routes.add_routes(app, service.sampling, off)
+    retrieve.add_routes(app, service.futures, config.long_poll_s, off, service.abandoned)
+    resource_routes.add_routes(app, service.rest, off)
+    usage_routes.add_routes(
+        app, service.usage, off
+    )  # /api/v1/lorafleet/usage, /metrics (operators)
+    run_metric_routes.add_routes(app, service.run_metrics, off)  # a client's curves (console)
+    console_routes.add_routes(app, service.console, service.lanes)  # /console: cookie sessions
+    openai_routes.add_routes(app, service.completions, service.aliases, off)  # /v1: OpenAI's API
     # LAST: the catch-all for POSTs to paths no route above serves
-    unknown.add_routes(app, service.training, bodies)
+    unknown.add_routes(app, service.training, off)
     return app

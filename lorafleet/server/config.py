@@ -53,6 +53,13 @@ class ServerConfig:
     max_body_bytes: int = 64 << 20  # protobuf forward_backward bodies; the SDK sends <= 5 MB chunks
     max_json_bytes: int = 8 << 20  # every JSON body (prompts, saves, polls)
     body_timeout_s: float = 120.0  # a body that trickles in slower than this is refused (408)
+    # every route's blocking work (body decoding, hashing, SQLite, intake) runs off the event
+    # loop on this many worker threads, each tenant's requests in arrival order; work for a
+    # body of `large_body_bytes` or more (decompressed) holds at most `large_body_workers` of
+    # them, so big bodies always leave workers to small requests (http/off_loop.py)
+    request_workers: int = 4
+    large_body_bytes: int = 1 << 20
+    large_body_workers: int = 2
     max_num_samples: int = 1024  # per asample request
     # a sample response's estimated wire size (requests.response_bytes); the server holds it
     # as Python objects until it is encoded, several times this (docs/reliability.md)

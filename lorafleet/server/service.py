@@ -27,8 +27,8 @@ from lorafleet.model.hub_cache import publish_tokenizer, tokenizer_name
 from lorafleet.server.config import ServerConfig, request_limits
 from lorafleet.server.console import Sources, build_console
 from lorafleet.server.engine.executor import Executor
-from lorafleet.server.http import schemas
 from lorafleet.server.http.aliases import Aliases
+from lorafleet.server.http.off_loop import Lanes
 from lorafleet.server.http.public_url import public_base_url
 from lorafleet.server.http.resources import Rest
 from lorafleet.server.http.sampling import Sampling
@@ -239,8 +239,16 @@ class Service:
         self._done("engine")
 
     def _build_handlers(self) -> None:
-        """The parts the routes call; none of them starts a thread or holds a resource."""
+        """The parts the routes call; only the request lanes hold threads (started on the
+        first request, ended at close)."""
         config = self.config
+        # every route's blocking work, off the event loop (http/off_loop.py)
+        self.lanes = Lanes(
+            config.request_workers,
+            large_bytes=config.large_body_bytes,
+            large_workers=config.large_body_workers,
+        )
+        self._closing.callback(self.lanes.close)
         self.served = served_base(
             self.executor,
             request_limits(config, self.executor.context_length),
@@ -292,6 +300,7 @@ class Service:
             text,
             config.long_poll_s,
             self.executor.sampler.features,
+            self.lanes,
         )
         self.rest = Rest(
             self.store,
@@ -477,20 +486,6 @@ class Service:
             return
         self.reloader.request()
 
-    async def retrieve(self, tenant: Tenant, body: Any) -> Result | None:
-        req = schemas.parse(schemas.RetrieveFuture, body)
-        self.abandoned.poll_began(req.request_id, tenant.id)
-        try:
-            return await self.futures.wait(req.request_id, tenant.id, self.config.long_poll_s)
-        finally:
-            self.abandoned.poll_ended(req.request_id, tenant.id)
-
-    def poll_lost(self, tenant: Tenant, body: Any) -> None:
-        """The client hung up during a `retrieve_future` poll: a sample nobody polls again
-        within `abandon_grace_s` is cancelled (ops/abandoned.py)."""
-        if isinstance(body, dict) and isinstance(body.get("request_id"), str):
-            self.abandoned.poll_lost(body["request_id"], tenant.id)
-
     def health(self) -> tuple[int, dict[str, str]]:
         """What /healthz answers (unauthenticated, so nothing but states): see health.py."""
         return health.report(
@@ -510,6 +505,7 @@ class Service:
             "uptime_s": time.time() - self.started_at,
             "recovered": self.recovered,
             "maintenance_failures": self.maintenance_failures,
+            "request_lanes": self.lanes.stats().as_dict(),
             "queued_ops": self.admission.queued(),
             "max_queued_ops": self.admission.max_queued_ops,
             "queue_refused": self.admission.refused,

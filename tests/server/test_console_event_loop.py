@@ -15,6 +15,7 @@ from lorafleet.server.console.routes import CONSOLE_API, Console, add_routes
 from lorafleet.server.console.sessions import ConsoleSessions
 from lorafleet.server.console.sse import EventStreams
 from lorafleet.server.errors import NotFound
+from lorafleet.server.http.off_loop import Lanes
 from lorafleet.server.state.keys import Tenant, hash_key
 from lorafleet.server.state.tenants import Tenancy, TenantsConfig, TenantSpec
 
@@ -48,7 +49,9 @@ def test_opening_a_run_stream_does_not_hold_up_other_requests():
     sessions = ConsoleSessions(lambda: tenancy.current)
     views = SlowViews()
     app = FastAPI()
-    add_routes(app, Console(sessions, cast(Any, views), EventStreams(sessions, interval_s=0.01)))
+    lanes = Lanes(2)
+    streams = EventStreams(sessions, interval_s=0.01)
+    add_routes(app, Console(sessions, cast(Any, views), streams), lanes)
     done: list[str] = []
 
     async def scenario() -> None:
@@ -71,5 +74,8 @@ def test_opening_a_run_stream_does_not_hold_up_other_requests():
 
             await asyncio.wait_for(asyncio.gather(stream(), other()), timeout=10)
 
-    asyncio.run(scenario())
+    try:
+        asyncio.run(scenario())
+    finally:
+        lanes.close()
     assert done == ["other", "stream"]  # before the fix: the check held the loop for 3 s

@@ -516,3 +516,56 @@ def test_a_neighbour_sampling_keeps_the_round_budget():
     rounds = _train_rounds(executor)
     assert rounds[0] == [("big", 0, 10)]  # the sampling neighbour was present: 100 tokens
     assert rounds[1] == [("big", 10, 40)]  # its sample done (solo_after_s 0): one lone round
+
+
+def test_datum_costs_match_a_pairwise_comparison_of_every_window():
+    """The fast path (numpy, only datums that start alike compared) counts what comparing
+    each datum with each of its window's datums token by token counts."""
+    import random
+
+    import torch
+
+    from lorafleet.server.ops.fair_share import SHARING_WINDOW, datum_costs
+
+    def reference(rows: list[list[int]]) -> list[int]:
+        out = []
+        for i, row in enumerate(rows):
+            shared = 0
+            for other in rows[max(0, i - SHARING_WINDOW) : i]:
+                n = 0
+                while n < min(len(row), len(other)) and row[n] == other[n]:
+                    n += 1
+                shared = max(shared, n)
+            out.append(max(1, len(row) - shared))
+        return out
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3) for _ in range(rng.randrange(0, 6))] for _ in range(4)]
+    rows = [
+        rng.choice(prompts) + [rng.randrange(3) for _ in range(rng.randrange(0, 8))]
+        for _ in range(200)
+    ]
+    tokens = [torch.tensor(r, dtype=torch.int64) for r in rows]
+    assert datum_costs(tokens) == reference(rows)
+
+
+def test_a_round_ends_with_the_cycle_in_which_a_stepping_tenant_got_all_its_work_in():
+    """A flooder's backlog beside two tenants stepping one small call at a time: the round
+    ends after one turn each (the flooder's quantum and their calls), not once the flooder's
+    tokens fill the budget, so their results come back after a short round. Backlogged
+    tenants alone still fill rounds, and the flooder's share over rounds is unchanged."""
+    drr = DeficitRoundRobin(quantum=128, weight_of=lambda t: 1.0)
+    flood = Work("F", "mf", 0, (16,) * 1000)
+    ready = {
+        "flood": [flood],
+        "s1": [Work("s1-op", "m1", 0, (16,))],
+        "s2": [Work("s2-op", "m2", 0, (16,))],
+    }
+    takes = drr.plan(ready, 512)
+    assert {t.key: t.tokens for t in takes} == {"F": 128, "s1-op": 16, "s2-op": 16}
+    # the stepping tenants wait on their results: the flooder alone fills the next round
+    alone = drr.plan({"flood": [Work("F", "mf", 8, flood.sizes)]}, 512)
+    assert [(t.key, t.tokens) for t in alone] == [("F", 512)]
+    # backlogged tenants only: nobody's work runs out, rounds fill as before
+    both = {t: [Work(f"{t}-op", f"{t}-m", 0, (16,) * 1000)] for t in ("a", "b")}
+    assert sum(t.tokens for t in drr.plan(both, 512)) == 512

@@ -372,6 +372,7 @@ def with_features(server: ServerThread, intake: Any = None, **features: Any) -> 
         mine.text,
         1.0,
         dataclasses.replace(mine.features, **features),
+        mine.lanes,
     )
 
 

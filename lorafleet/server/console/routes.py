@@ -22,20 +22,22 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qs
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, StreamingResponse
-from starlette.concurrency import run_in_threadpool
 
 from lorafleet.server.console.sessions import COOKIE, CSRF_HEADER, ConsoleSession, ConsoleSessions
 from lorafleet.server.console.sse import EventStreams
 from lorafleet.server.console.views import ConsoleViews
 from lorafleet.server.errors import Unauthorized, UserError
+from lorafleet.server.http.off_loop import Lanes
 from lorafleet.server.http.text_check import check_text
 from lorafleet.server.ops.run_metrics import MAX_STEP
 from lorafleet.server.state.keys import Tenant
+
+T = TypeVar("T")
 
 CONSOLE = "/console"
 CONSOLE_API = f"{CONSOLE}/api"
@@ -155,8 +157,13 @@ async def _sign_in_key(request: Request) -> str:
     return key
 
 
-def add_routes(app: FastAPI, console: Console) -> None:
+def add_routes(app: FastAPI, console: Console, lanes: Lanes) -> None:
+    """`lanes`: where the views are built, off the event loop, in a lane per tenant apart from
+    its API requests' (a page's look is not ordered with training calls)."""
     views = console.views
+
+    async def off_loop(tenant: Tenant, work: Callable[[], T]) -> T:
+        return await lanes.run(f"console:{tenant.id}", work)
 
     @app.get(CONSOLE)
     async def page() -> FileResponse:
@@ -219,28 +226,28 @@ def add_routes(app: FastAPI, console: Console) -> None:
     @app.get(f"{CONSOLE_API}/overview")
     async def overview(request: Request) -> JSONResponse:
         _, tenant = _signed_in(console, request)
-        return _json(await run_in_threadpool(views.overview, tenant))
+        return _json(await off_loop(tenant, lambda: views.overview(tenant)))
 
     @app.get(f"{CONSOLE_API}/usage")
     async def usage(request: Request) -> JSONResponse:
         _, tenant = _signed_in(console, request)
-        return _json(await run_in_threadpool(views.usage, tenant))
+        return _json(await off_loop(tenant, lambda: views.usage(tenant)))
 
     @app.get(f"{CONSOLE_API}/operator")
     async def operator(request: Request) -> JSONResponse:
         _, tenant = _signed_in(console, request)
-        return _json(await run_in_threadpool(views.operator, tenant))
+        return _json(await off_loop(tenant, lambda: views.operator(tenant)))
 
     @app.get(f"{CONSOLE_API}/runs/{{run_id}}")
     async def run(run_id: str, request: Request) -> JSONResponse:
         _, tenant = _signed_in(console, request)
         after = _int_param(request, "after_step", -1, -1, MAX_STEP)
-        return _json(await run_in_threadpool(views.run, tenant, run_id, after))
+        return _json(await off_loop(tenant, lambda: views.run(tenant, run_id, after)))
 
     @app.get(f"{CONSOLE_API}/runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}/zip")
     async def download(run_id: str, checkpoint_id: str, request: Request) -> Response:
         _, tenant = _signed_in(console, request)
-        name, data = await run_in_threadpool(views.peft_zip, tenant, run_id, checkpoint_id)
+        name, data = await off_loop(tenant, lambda: views.peft_zip(tenant, run_id, checkpoint_id))
         headers = {**HEADERS, "Content-Disposition": f'attachment; filename="{name}"'}
         return Response(data, media_type="application/zip", headers=headers)
 
@@ -248,18 +255,23 @@ def add_routes(app: FastAPI, console: Console) -> None:
     async def set_ttl(run_id: str, checkpoint_id: str, request: Request) -> JSONResponse:
         _, tenant = _signed_in(console, request)
         body = await _small_body(request)
-        try:
-            parsed = json.loads(body or b"null")
-        except ValueError:
-            raise UserError('body must be JSON {"ttl_seconds": int | null}') from None
-        check_text(body, parsed)
-        views.set_ttl(tenant, run_id, checkpoint_id, parsed)
+
+        def set_it() -> None:
+            try:
+                parsed = json.loads(body or b"null")
+            except ValueError:
+                raise UserError('body must be JSON {"ttl_seconds": int | null}') from None
+            check_text(body, parsed)
+            views.set_ttl(tenant, run_id, checkpoint_id, parsed)
+
+        await off_loop(tenant, set_it)
         return _json({})
 
     @app.delete(f"{CONSOLE_API}/runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}")
     async def delete(run_id: str, checkpoint_id: str, request: Request) -> JSONResponse:
         _, tenant = _signed_in(console, request)
-        await asyncio.wrap_future(views.delete(tenant, run_id, checkpoint_id))
+        deleting = await off_loop(tenant, lambda: views.delete(tenant, run_id, checkpoint_id))
+        await asyncio.wrap_future(deleting)
         return _json({})
 
     shared = SharedRunViews()  # run views the streams on one run share (SharedRunViews)
@@ -267,9 +279,10 @@ def add_routes(app: FastAPI, console: Console) -> None:
     @app.get(f"{CONSOLE_API}/events")
     async def events(request: Request) -> StreamingResponse:
         session, tenant = _signed_in(console, request)
-        # on a worker thread: checking the view builds it once (a run's curves, the fleet)
-        snapshot = await run_in_threadpool(
-            _snapshot, views, lambda: console.sessions.get(session.id)[1], request, shared
+        # off the loop: checking the view builds it once (a run's curves, the fleet)
+        snapshot = await off_loop(
+            tenant,
+            lambda: _snapshot(views, lambda: console.sessions.get(session.id)[1], request, shared),
         )
         console.streams.check(session, tenant.operator)
         headers = {**HEADERS, "X-Accel-Buffering": "no"}

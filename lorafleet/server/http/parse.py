@@ -77,6 +77,21 @@ def decode_body(raw: bytes, content_encoding: str | None, limit: int) -> bytes:
     return raw
 
 
+def decoded_size(raw: bytes, content_encoding: str | None) -> int:
+    """About how many bytes `decode_body` will produce, read from the zstd frame header without
+    decompressing (what the request's work is sized by, off_loop.py). A frame that does not
+    declare its size, or bytes that are not one, count as the whole `limit` could be: large."""
+    if not content_encoding or content_encoding.lower() != "zstd":
+        return len(raw)
+    import zstandard
+
+    try:
+        declared = zstandard.frame_content_size(raw)
+    except zstandard.ZstdError:
+        return 1 << 62  # not zstd: refused in the lane, sized as the worst case meanwhile
+    return max(len(raw), declared) if declared >= 0 else 1 << 62
+
+
 def expires_at(ttl_seconds: int | None) -> float | None:
     if ttl_seconds is None:
         return None

@@ -8,20 +8,18 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import FastAPI, Request
-from starlette.concurrency import run_in_threadpool
 
 from lorafleet.server.http import API
-from lorafleet.server.http.bodies import BodyReader, tenant
+from lorafleet.server.http.off_loop import OffLoop
 from lorafleet.server.ops.run_metrics import RunMetrics
 
 RUN_METRICS_ROUTE = f"{API}/lorafleet/runs/{{model_id}}/metrics"
 
 
-def add_routes(app: FastAPI, run_metrics: RunMetrics, bodies: BodyReader) -> None:
+def add_routes(app: FastAPI, run_metrics: RunMetrics, off: OffLoop) -> None:
 
     @app.post(RUN_METRICS_ROUTE)
     async def post_metrics(model_id: str, request: Request) -> dict[str, Any]:
-        body = await bodies.json(request)
-        # on a worker thread: the per-run bounds count the run's points (a scan of up to
-        # 200 000 rows), which on the event loop would stall every tenant's requests
-        return await run_in_threadpool(run_metrics.post, tenant(request), model_id, body)
+        # off the loop: the per-run bounds count the run's points (a scan of up to 200 000
+        # rows), which on the event loop would stall every tenant's requests
+        return await off.json(request, lambda who, body: run_metrics.post(who, model_id, body))

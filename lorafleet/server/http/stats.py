@@ -12,7 +12,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from lorafleet.server.http import API
-from lorafleet.server.http.bodies import tenant
+from lorafleet.server.http.off_loop import OffLoop
+from lorafleet.server.state.keys import Tenant
 
 
 def own_view(stats: dict[str, Any], tenant_id: str) -> dict[str, Any]:
@@ -81,9 +82,11 @@ def _replica_counts(replica: Any) -> Any:
     return shown
 
 
-def add_routes(app: FastAPI, stats: Callable[[], dict[str, Any]]) -> None:
+def add_routes(app: FastAPI, stats: Callable[[], dict[str, Any]], off: OffLoop) -> None:
 
     @app.get(f"{API}/lorafleet/stats")
     async def server_stats(request: Request) -> dict[str, Any]:
-        caller = tenant(request)
-        return stats() if caller.operator else own_view(stats(), caller.id)
+        def view(caller: Tenant) -> dict[str, Any]:
+            return stats() if caller.operator else own_view(stats(), caller.id)
+
+        return await off.call(request, view)

@@ -14,11 +14,12 @@ from fastapi import FastAPI, Request
 
 from lorafleet.server.errors import ApiError, NotFound
 from lorafleet.server.http import API, parse, schemas
-from lorafleet.server.http.bodies import BodyReader, tenant
+from lorafleet.server.http.off_loop import OffLoop
 from lorafleet.server.http.training import Training
+from lorafleet.server.state.keys import Tenant
 
 
-def add_routes(app: FastAPI, training: Training, bodies: BodyReader) -> None:
+def add_routes(app: FastAPI, training: Training, off: OffLoop) -> None:
     """Call last: a route registered after this one would never be reached by a POST."""
 
     @app.post(API + "/{route:path}")
@@ -26,17 +27,21 @@ def add_routes(app: FastAPI, training: Training, bodies: BodyReader) -> None:
         error = NotFound(f"this server does not implement POST {API}/{route}")
         if getattr(request.state, "tenant", None) is None:
             raise error  # a public path (the key gate let it through): nothing more to read
-        who = tenant(request)
-        raw = await bodies.raw(request, bodies.max_json_bytes)
-        try:
-            body = schemas.parse_json(raw)
-        except ApiError:
-            raise error from None  # not JSON: no model or seq_id to account for
-        fingerprint = parse.fingerprint(raw + route.encode())
-        try:
-            training.refuse_in_order(who, body, error, fingerprint)
-        except ApiError as exc:
-            raise NotFound(f"{error.message}; its seq_id was not recorded: {exc.message}") from None
+
+        def refuse(who: Tenant, raw: bytes) -> None:
+            try:
+                body = schemas.parse_json(raw)
+            except ApiError:
+                raise error from None  # not JSON: no model or seq_id to account for
+            fingerprint = parse.fingerprint(raw + route.encode())
+            try:
+                training.refuse_in_order(who, body, error, fingerprint)
+            except ApiError as exc:
+                raise NotFound(
+                    f"{error.message}; its seq_id was not recorded: {exc.message}"
+                ) from None
+
+        await off.raw_json(request, refuse)
         raise error
 
     @app.api_route(API + "/{route:path}", methods=["GET", "PUT", "DELETE", "PATCH"])

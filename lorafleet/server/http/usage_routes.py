@@ -9,13 +9,13 @@ from typing import Annotated, Any
 from fastapi import FastAPI, Query, Request, Response
 
 from lorafleet.server.http import API
-from lorafleet.server.http.bodies import tenant
+from lorafleet.server.http.off_loop import OffLoop
 from lorafleet.server.http.usage import METRICS_CONTENT_TYPE, Usage
 
 METRICS_ROUTE = "/metrics"
 
 
-def add_routes(app: FastAPI, usage: Usage) -> None:
+def add_routes(app: FastAPI, usage: Usage, off: OffLoop) -> None:
 
     @app.get(f"{API}/lorafleet/usage")
     async def read_usage(
@@ -23,8 +23,9 @@ def add_routes(app: FastAPI, usage: Usage) -> None:
         of: Annotated[str | None, Query(alias="tenant")] = None,
         days: int = 30,
     ) -> dict[str, Any]:
-        return usage.report(tenant(request), of, days)
+        return await off.call(request, lambda who: usage.report(who, of, days))
 
     @app.get(METRICS_ROUTE)
     async def metrics(request: Request) -> Response:
-        return Response(usage.metrics(tenant(request)), media_type=METRICS_CONTENT_TYPE)
+        text = await off.call(request, usage.metrics)
+        return Response(text, media_type=METRICS_CONTENT_TYPE)

@@ -14,8 +14,9 @@ from fastapi.responses import JSONResponse, Response
 from lorafleet.server.errors import ApiError, NotFound
 from lorafleet.server.http import API
 from lorafleet.server.http.aliases import Aliases
-from lorafleet.server.http.bodies import BodyReader, tenant
+from lorafleet.server.http.bodies import tenant
 from lorafleet.server.http.disconnect import ClientGone, WatchedStream, unless_disconnected
+from lorafleet.server.http.off_loop import OffLoop
 from lorafleet.server.openai.errors import body as error_body
 from lorafleet.server.openai.service import Completions
 
@@ -36,31 +37,29 @@ async def _openai(answer: Callable[[], Awaitable[Any]]) -> Any:
         return Response(status_code=499)
 
 
-def add_routes(
-    app: FastAPI, completions: Completions, aliases: Aliases, bodies: BodyReader
-) -> None:
+def add_routes(app: FastAPI, completions: Completions, aliases: Aliases, off: OffLoop) -> None:
     """Call before `unknown.add_routes`, whose catch-all would take the alias routes."""
 
     @app.get(f"{V1}/models")
     async def list_models(request: Request) -> Any:
         async def answer() -> Any:
-            return completions.models.listing(tenant(request))
+            return await off.call(request, completions.models.listing)
 
         return await _openai(answer)
 
     @app.get(f"{V1}/models/{{model:path}}")
     async def get_model(model: str, request: Request) -> Any:
         async def answer() -> Any:
-            return completions.models.describe(tenant(request), model)
+            return await off.call(request, lambda who: completions.models.describe(who, model))
 
         return await _openai(answer)
 
     async def complete(request: Request, chat: bool) -> Any:
         async def answer() -> Any:
-            raw = await bodies.json(request)
+            raw = await off.json(request, lambda who, body: body)  # parsed off the loop
             cancel = threading.Event()  # set when the client hangs up: the sample stops
             if isinstance(raw, dict) and raw.get("stream") is True:
-                events = completions.stream(tenant(request), raw, chat, cancel)
+                events = await completions.stream(tenant(request), raw, chat, cancel)
                 return WatchedStream(
                     events,
                     media_type="text/event-stream",
@@ -89,16 +88,16 @@ def add_routes(
 
     @app.get(ALIASES_ROUTE)
     async def list_aliases(request: Request) -> dict[str, Any]:
-        return aliases.list(tenant(request))
+        return await off.call(request, aliases.list)
 
     @app.get(f"{ALIASES_ROUTE}/{{alias}}")
     async def get_alias(alias: str, request: Request) -> dict[str, Any]:
-        return aliases.get(tenant(request), alias)
+        return await off.call(request, lambda who: aliases.get(who, alias))
 
     @app.put(f"{ALIASES_ROUTE}/{{alias}}")
     async def put_alias(alias: str, request: Request) -> dict[str, Any]:
-        return aliases.put(tenant(request), alias, await bodies.json(request))
+        return await off.json(request, lambda who, body: aliases.put(who, alias, body))
 
     @app.delete(f"{ALIASES_ROUTE}/{{alias}}")
     async def delete_alias(alias: str, request: Request) -> dict[str, Any]:
-        return aliases.delete(tenant(request), alias)
+        return await off.call(request, lambda who: aliases.delete(who, alias))

@@ -28,6 +28,7 @@ from lorafleet.sample.reports import SamplerFeatures
 from lorafleet.sample.types import SamplingParams
 from lorafleet.server.errors import ApiError, ServerFault, UserError
 from lorafleet.server.http import parse
+from lorafleet.server.http.off_loop import Lanes
 from lorafleet.server.http.served import ServedBase
 from lorafleet.server.openai import asks, render
 from lorafleet.server.openai.errors import OpenAIError, body
@@ -74,7 +75,10 @@ class Completions:
         text: Text,
         poll_s: float,
         features: SamplerFeatures,
+        lanes: Lanes,
     ):
+        """`lanes`: where a request's parsing, model lookup, submission and result lookup run,
+        off the event loop in its tenant's order (http/off_loop.py)."""
         self.intake = intake
         self.futures = futures
         self.models = models
@@ -82,6 +86,7 @@ class Completions:
         self.text = text
         self.poll_s = poll_s
         self.features = features  # what the sampler honours (`Sampler.features`)
+        self.lanes = lanes
 
     def parse(self, tenant: Tenant, raw: Any, chat: bool) -> tuple[asks.Ask, Target]:
         limits = self.served.limits
@@ -179,11 +184,24 @@ class Completions:
         promise = self.intake.submit(tenant, args, Place(), parse.fingerprint(raw))
         return promise.request_id
 
+    def _start(
+        self,
+        tenant: Tenant,
+        raw: Any,
+        chat: bool,
+        hook: StreamHook | None,
+        cancel: threading.Event | None,
+    ) -> tuple[asks.Ask, str]:
+        """Parsed, resolved and submitted (off the loop): the ask and its request id."""
+        ask, target = self.parse(tenant, raw, chat)
+        return ask, self.submit(tenant, raw, ask, target, hook, cancel)
+
     async def result(self, tenant: Tenant, rid: str) -> list[render.Sampled]:
         loop = asyncio.get_running_loop()
+        entry = await self.lanes.run(tenant.id, lambda: self.futures.find(rid, tenant.id))
         while True:
             started = loop.time()
-            result: Result | None = await self.futures.wait(rid, tenant.id, self.poll_s)
+            result: Result | None = await self.futures.wait_on(entry, self.poll_s)
             if result is not None:
                 break
             if loop.time() - started < self.poll_s / 2:  # released early: the table closed
@@ -196,24 +214,26 @@ class Completions:
         self, tenant: Tenant, raw: Any, chat: bool, cancel: threading.Event | None = None
     ) -> dict[str, Any]:
         """`cancel`: set by the route when the client hangs up (the sample then stops)."""
-        ask, target = self.parse(tenant, raw, chat)
-        rid = self.submit(tenant, raw, ask, target, None, cancel)
+        ask, rid = await self.lanes.run(
+            tenant.id, lambda: self._start(tenant, raw, chat, None, cancel)
+        )
         seqs = await self.result(tenant, rid)
         return render.response(ask, rid, int(time.time()), seqs, self.text)
 
-    def stream(
+    async def stream(
         self, tenant: Tenant, raw: Any, chat: bool, cancel: threading.Event | None = None
     ) -> AsyncIterator[str]:
         """Everything that can fail at the door fails here, before the stream starts (as an
         ordinary JSON error); the returned iterator yields the server-sent events. However
         the iterator ends before the result (the client gone, the stream closed), `cancel`
         is set: the sample stops."""
-        ask, target = self.parse(tenant, raw, chat)
         queue: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
         hook = StreamHook(asyncio.get_running_loop(), queue)
-        cancel = cancel if cancel is not None else threading.Event()
-        rid = self.submit(tenant, raw, ask, target, hook, cancel)
-        return self._events(tenant, ask, rid, hook, queue, cancel)
+        stop = cancel if cancel is not None else threading.Event()
+        ask, rid = await self.lanes.run(
+            tenant.id, lambda: self._start(tenant, raw, chat, hook, stop)
+        )
+        return self._events(tenant, ask, rid, hook, queue, stop)
 
     async def _events(
         self,

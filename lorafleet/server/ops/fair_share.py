@@ -15,6 +15,12 @@ turn, so a large call runs in chunks over several rounds.
   banked while idle); it rejoins at the back when it has work again.
 - One datum bigger than the whole budget runs alone, as the first work of a round, once the
   tenant's deficit covers it (a datum is never split).
+- A round also ends at the end of a cycle of turns in which some tenant's ready work all ran
+  (that tenant now waits on the round's results) and more than one tenant ran: the round does
+  not fill the rest of its budget from the backlogged tenants' queues. A tenant stepping one
+  small call at a time beside a flooder then waits for one turn of each tenant (the flooder's
+  quantum), not for a whole budget of the flooder's tokens; while every tenant stays
+  backlogged, rounds still fill up. Shares are unchanged (deficits carry over as always).
 - `max_models` caps the distinct models in one round (the bank slots a round may use): a tenant
   whose next work is for another model passes its turn, but keeps the turn's credit (up to one
   round's budget in all). It is blocked, not idle: without that credit, with more backlogged
@@ -32,6 +38,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -68,23 +75,34 @@ def datum_costs(tokens: Sequence[torch.Tensor]) -> list[int]:
     `SHARING_WINDOW` datums (at least one). The trainer runs a shared prefix once
     (train/prefix_trie.py), but only among datums of one round: counting raw tokens cut a
     multi-turn call into rounds of one or two turns each, and each turn recomputed the whole
-    history. Metering still counts every token."""
+    history. Metering still counts every token.
+
+    Runs once per request as it is parsed (off the event loop, but on the request's path): on
+    numpy arrays, and only against earlier datums that start with the same token (a datum
+    whose first token differs shares no prefix), so a 1000-datum call of unrelated rows costs
+    milliseconds, not the third of a second a tensor comparison per pair took."""
     costs: list[int] = []
-    previous: list[torch.Tensor] = []
+    previous: list[np.ndarray] = []
     for datum in tokens:
-        flat = datum.reshape(-1)
-        shared = max((_common_prefix(flat, other) for other in previous), default=0)
-        costs.append(max(1, int(flat.numel()) - shared))
+        flat = np.asarray(datum.reshape(-1).cpu())
+        shared = 0
+        if flat.size:
+            first = flat[0]
+            for other in previous:
+                if other.size and other[0] == first:
+                    shared = max(shared, _common_prefix(flat, other))
+        costs.append(max(1, int(flat.size) - shared))
         previous = [*previous[-(SHARING_WINDOW - 1) :], flat]
     return costs
 
 
-def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
-    n = min(int(a.numel()), int(b.numel()))
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(int(a.size), int(b.size))
     if n == 0:
         return 0
-    differ = torch.nonzero(a[:n] != b[:n])
-    return int(differ[0, 0]) if differ.numel() else n
+    differ = a[:n] != b[:n]
+    at = int(differ.argmax())
+    return at if differ[at] else n
 
 
 def check_weight(tenant: str, weight: float) -> float:
@@ -131,6 +149,18 @@ class DeficitRoundRobin:
         models: set[str] = set()
         remaining = budget
         idle_turns = 0  # turns in a row that ran nothing
+        cycle_left = len(self._order)  # turns until the current cycle of turns ends
+        drained = False  # a tenant's ready work all runs in this round: it waits on the round
+        ran_for: set[str] = set()  # tenants with work in this round
+
+        def cycle_done() -> bool:
+            """Counts a turn; True when it ended a cycle that should end the round too."""
+            nonlocal cycle_left
+            cycle_left -= 1
+            if cycle_left > 0:
+                return False
+            cycle_left = len(self._order)
+            return drained and len(ran_for) > 1
 
         def capped(model: str) -> bool:
             return max_models is not None and model not in models and len(models) >= max_models
@@ -145,6 +175,8 @@ class DeficitRoundRobin:
                 self._pass_turn()
                 idle_turns += 1
                 if idle_turns >= len(self._order) and self._all_capped(ready, cursor, capped):
+                    break
+                if cycle_done():
                     break
                 continue
             if self._credited != tenant:
@@ -171,6 +203,7 @@ class DeficitRoundRobin:
                     else Take(work.key, earlier.start, datum + 1, earlier.tokens + size)
                 )
                 ran = True
+                ran_for.add(tenant)
                 datum += 1
                 if datum == len(work.sizes):
                     index += 1
@@ -180,10 +213,13 @@ class DeficitRoundRobin:
             cursor[tenant] = (index, datum)
             if index == len(works):  # its ready work ran out: no credit kept
                 self._leave(tenant)
+                drained = True
             elif full or remaining <= 0:
                 break  # the round is full; the next one resumes this turn
             else:
                 self._pass_turn()
+            if cycle_done():
+                break
             idle_turns = 0 if ran else idle_turns + 1
             if idle_turns >= len(self._order) > 0:
                 self._fast_forward(ready, cursor, credit, capped)

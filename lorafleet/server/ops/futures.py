@@ -86,7 +86,10 @@ class Result:
 
 
 @dataclass
-class _Entry:
+class FutureEntry:
+    """One future as a poll finds it (`FutureTable.find`): whose it is, its result once done,
+    and the polls parked on it."""
+
     tenant: str
     result: Result | None = None
     stored: bool = False  # the result is in SQLite too (it may leave memory)
@@ -117,8 +120,8 @@ class FutureTable:
         self.stored_bytes = stored_bytes
         self.ttl_s = ttl_s
         self._lock = threading.Lock()
-        self._pending: dict[str, _Entry] = {}
-        self._done: OrderedDict[str, _Entry] = OrderedDict()
+        self._pending: dict[str, FutureEntry] = {}
+        self._done: OrderedDict[str, FutureEntry] = OrderedDict()
         self._done_bytes = 0
         self._lost: OrderedDict[str, str] = OrderedDict()  # request_id -> tenant
         self._stored_since_prune = 0
@@ -139,7 +142,7 @@ class FutureTable:
         the row cannot be written."""
         self.store.futures.add(request_id, tenant, scope, seq_id, kind, fingerprint)
         with self._lock:
-            self._pending[request_id] = _Entry(tenant=tenant)
+            self._pending[request_id] = FutureEntry(tenant=tenant)
 
     def complete(self, request_id: str, result: Result) -> None:
         """Records the result, then hands it to its waiters; a failed write (a full disk) still
@@ -218,17 +221,20 @@ class FutureTable:
                 "results_unstored": self.unstored,
             }
 
-    def _lookup(self, request_id: str, tenant: str) -> _Entry:
+    def find(self, request_id: str, tenant: str) -> FutureEntry:
+        """The future `request_id` of `tenant`, from memory or (a result that left memory)
+        from SQLite, so call it off the event loop; NotFound for another tenant's or an
+        unknown one."""
         with self._lock:
             entry = self._pending.get(request_id) or self._done.get(request_id)
             lost = self._lost.get(request_id)
         if entry is None and lost is not None:
-            entry = _Entry(lost, Result.error(ServerFault(PROBLEM_LOST)))
+            entry = FutureEntry(lost, Result.error(ServerFault(PROBLEM_LOST)))
         if entry is None:
             row = self.store.futures.get(request_id)
             if row is not None and row.state != "pending":
                 assert row.content_type is not None and row.body is not None
-                entry = _Entry(
+                entry = FutureEntry(
                     row.tenant, Result(row.content_type, row.body, failed=row.state == "failed")
                 )
         if entry is None or entry.tenant != tenant:
@@ -240,8 +246,13 @@ class FutureTable:
         return entry
 
     async def wait(self, request_id: str, tenant: str, timeout: float) -> Result | None:
-        """The result, or None when it is still pending after `timeout` seconds."""
-        entry = self._lookup(request_id, tenant)
+        """`find` then `wait_on`, both on the caller's loop: for tests and callers whose
+        results are in memory; the routes call `find` off the loop (http/off_loop.py)."""
+        return await self.wait_on(self.find(request_id, tenant), timeout)
+
+    async def wait_on(self, entry: FutureEntry, timeout: float) -> Result | None:
+        """The result of a future `find` returned, or None when it is still pending after
+        `timeout` seconds. Touches nothing but memory: safe on the event loop."""
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
         with self._lock:
