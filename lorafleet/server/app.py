@@ -111,7 +111,7 @@ def create_app(service: Service) -> FastAPI:
     session_routes.add_routes(app, service.sessions, off)
     training_routes.add_routes(app, service.training, off)
     sampling_routes.add_routes(app, service.sampling, off)
-    retrieve.add_routes(app, service.futures, config.long_poll_s, off, service.abandoned)
+    retrieve.add_routes(app, service.futures, lambda: config.long_poll_s, off, service.abandoned)
     resource_routes.add_routes(app, service.rest, off)
     usage_routes.add_routes(
         app, service.usage, off

@@ -2,10 +2,12 @@
 (JSON or protobuf), or `try_again` when it is not done within the poll.
 
 The body is parsed and the future found (a result that left memory is read back from SQLite)
-off the loop, in the caller's lane; the wait itself parks on the loop, holding no worker."""
+off the loop, in the caller's lane; the wait itself parks on the loop, holding no worker. The
+poll's length is read per request (`long_poll_s()`), as the config says at that moment."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -23,7 +25,7 @@ from lorafleet.server.state.keys import Tenant
 def add_routes(
     app: FastAPI,
     futures: FutureTable,
-    long_poll_s: float,
+    long_poll_s: Callable[[], float],
     off: OffLoop,
     abandoned: AbandonedSamples,
 ) -> None:
@@ -35,7 +37,7 @@ def add_routes(
     async def wait(request_id: str, tenant_id: str, entry: FutureEntry) -> Result | None:
         abandoned.poll_began(request_id, tenant_id)
         try:
-            return await futures.wait_on(entry, long_poll_s)
+            return await futures.wait_on(entry, long_poll_s())
         finally:
             abandoned.poll_ended(request_id, tenant_id)
 
