@@ -373,6 +373,7 @@ def _rank_settings(config: EngineConfig, dist: DistConfig, targets: Sequence[str
         token_budget=config.token_budget,
         device=dist.device,
         torch_threads=dist.torch_threads,
+        numerics=config.numerics,
         collective_timeout_s=dist.collective_timeout_s,
     )
 
@@ -402,6 +403,7 @@ def _torchrun_engines(
         TorchrunRanks(_rank_settings(config, dist, targets), dist.trainer_ranks)
     )
     _check_same_base(trainer, base.model_id)
+    apply_numerics(base.model, config.numerics)
     adapted = AdaptedModel(base.model, targets)
     bank = adapted.add_bank(
         "sample", num_slots=config.sampler_slots + 1, r_max=config.max_lora_rank, trainable=False
@@ -450,6 +452,7 @@ def _ray_engines(
                 device=dist.device,
                 torch_threads=dist.torch_threads,
                 prefix_cache_bytes=config.prefix_cache_bytes,
+                numerics=config.numerics,
             ),
             dist.sampler_replicas,
             trainer=trainer,

@@ -44,6 +44,9 @@ NUMERICS: tuple[NumericsName, ...] = ("batch-invariant", "fast")
 DEFAULT_NUMERICS: NumericsName = "batch-invariant"
 """The default of every command (see docs/numerics.md for the step-time cost it was chosen on)."""
 
+NUMERICS_COST = "batch-invariant costs +?% step time on the README job (bench/rl_numerics.py)"
+"""The measured cost the default was chosen on, printed at start-up and in --help."""
+
 INVARIANT_ATTENTION = "lorafleet_invariant"
 """The attention implementation name (config._attn_implementation) of the invariant path."""
 
@@ -78,13 +81,11 @@ def invariant_linear(
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad, flat.shape[1])])
     if flat.shape[0] == LINEAR_TILE:
-        out = F.linear(flat, weight)
+        out = F.linear(flat, weight, bias)
     else:
-        out = torch.cat([F.linear(tile, weight) for tile in flat.split(LINEAR_TILE)])
+        out = torch.cat([F.linear(tile, weight, bias) for tile in flat.split(LINEAR_TILE)])
     if pad:
         out = out[:rows]
-    if bias is not None:
-        out = out + bias
     return out.reshape(*shape[:-1], weight.shape[0])
 
 

@@ -23,6 +23,7 @@ import tinker
 from tinker import types
 
 from lorafleet.fsio import atomic_write_json, ensure_private_dir, safe_name
+from lorafleet.model.numerics import DEFAULT_NUMERICS
 from lorafleet.rl.connect import (
     Backend,
     embedded_device,
@@ -104,6 +105,8 @@ class RLConfig:
     # where the embedded server runs: auto (the first CUDA device, else the CPU), cpu, cuda,
     # cuda:N (lorafleet.hardware.resolve_device)
     device: str = "auto"
+    # the embedded server's numerics: batch-invariant or fast (model/numerics.py)
+    numerics: str = DEFAULT_NUMERICS
 
 
 @dataclass
@@ -372,6 +375,7 @@ def run_rl(config: RLConfig, *, on_step: StepHook | None = None) -> dict[str, Te
         max_sample_rows=min(max(rows_per_step, 16), 256),
         rollout=config.rollout,
         device=device.device,
+        numerics=config.numerics,
     )
     if backend.server is not None:  # never the key itself: it is in the run dir, 0600
         print(
