@@ -206,6 +206,72 @@ def _worst(values: Iterable[float]) -> float:
     return math.nan if any(math.isnan(v) for v in found) else max(found)
 
 
+def components(dtype: torch.dtype) -> dict[str, float]:
+    """Each piece of a forward alone: the max |delta| of one row's output computed alone vs
+    among other rows / padded to other lengths, at SmolLM2-135M's shapes (random values)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from lorafleet.model.numerics import invariant_attention, invariant_linear
+
+    gen = torch.Generator().manual_seed(0)
+    out: dict[str, float] = {}
+
+    def worst(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        return max(float((a.float() - b.float()).abs().max()) for a, b in pairs)
+
+    heads, length, dim = 9, 40, 64
+    q, k, v = (torch.randn(1, heads, length, dim, generator=gen).to(dtype) for _ in range(3))
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    module = torch.nn.Module()
+
+    def padded(total: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        keys = torch.zeros(1, heads, total, dim, dtype=dtype)
+        values = torch.zeros_like(keys)
+        keys[:, :, :length], values[:, :, :length] = k, v
+        mask = torch.zeros(1, 1, length, total, dtype=torch.bool)
+        mask[0, 0, :, :length] = causal
+        return keys, values, mask
+
+    def sdpa(keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+
+    def mine(keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return invariant_attention(module, q, keys, values, mask)[0]
+
+    totals = (41, 47, 48, 64, 81, 200)
+    out["attention_sdpa_padded_keys"] = worst(
+        (sdpa(*padded(t)), sdpa(*padded(length))) for t in totals
+    )
+    out["attention_invariant_padded_keys"] = worst(
+        (mine(*padded(t)), mine(*padded(length))) for t in totals
+    )
+    decode = invariant_attention(module, q[:, :, -1:], k, v, causal[None, None, -1:])[0]
+    out["attention_invariant_decode_vs_prefill"] = worst(
+        [(decode[:, 0], mine(*padded(length))[:, -1])]
+    )
+    for n, kk in ((576, 576), (1536, 576), (576, 1536), (49152, 576)):
+        weight = torch.randn(n, kk, generator=gen).to(dtype)
+        x = torch.randn(300, kk, generator=gen).to(dtype)
+        ref = torch.nn.functional.linear(x, weight)
+        tiled = invariant_linear(x, weight, None)
+        rows = (1, 2, 7, 16, 33, 64, 200)
+        out[f"linear_{n}x{kk}_row_count"] = worst(
+            (torch.nn.functional.linear(x[:m], weight), ref[:m]) for m in rows
+        )
+        out[f"linear_invariant_{n}x{kk}_row_count"] = worst(
+            (invariant_linear(x[:m], weight, None), tiled[:m]) for m in rows
+        )
+    norm = LlamaRMSNorm(576).to(dtype)
+    h = torch.randn(300, 576, generator=gen).to(dtype)
+    out["rmsnorm_row_count"] = worst((norm(h[:m]), norm(h)[:m]) for m in (1, 7, 64))
+    logits = torch.randn(300, 49152, generator=gen)
+    full = torch.log_softmax(logits, -1)
+    out["log_softmax_fp32_row_count"] = worst(
+        (torch.log_softmax(logits[:m], -1), full[:m]) for m in (1, 7, 64)
+    )
+    return out
+
+
 def _row(label: str, values: dict[str, float]) -> str:
     extra = f"  cos {values['grad_cosine']:.7f}" if "grad_cosine" in values else ""
     return f"{label:<46}{values['max_abs_diff']:>12.3e}{values['mean_abs_diff']:>12.3e}{extra}"
@@ -225,6 +291,9 @@ def main() -> None:
     parser.add_argument("--partners", default="1,3,7", help="partner counts, comma-separated")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--device", default="cpu", help="where the engines run (cpu, cuda[:N])")
+    parser.add_argument(
+        "--components-only", action="store_true", help="only the per-component row checks"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = bench_device(args.device).device
@@ -235,11 +304,22 @@ def main() -> None:
             f"--partners: each count must be 1..{len(PARTNER_LENGTHS)}, got {args.partners!r}"
         )
     results: dict[str, object] = {}
+    parts: dict[str, dict[str, float]] = {}
     choice = None
     start = time.perf_counter()
-    for dtype in [d.strip() for d in args.dtypes.split(",") if d.strip()]:
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    for dtype in dtypes:
         if dtype not in TORCH_DTYPES:
             parser.error(f"--dtypes: {dtype!r} is not one of {sorted(TORCH_DTYPES)}")
+        with torch.no_grad():
+            parts[dtype] = components(TORCH_DTYPES[dtype])
+    print(
+        f"\n{'component: max |delta| of a row alone vs among others':<52}"
+        + "".join(f"{d:>12}" for d in dtypes)
+    )
+    for name in parts[dtypes[0]]:
+        print(f"{name:<52}" + "".join(f"{parts[d][name]:>12.3e}" for d in dtypes))
+    for dtype in dtypes if not args.components_only else []:
         choice = fixed_dtype(dtype, "bench.invariance measures each dtype it is given")
         base = load_base(PRESET, dtype=dtype, device=device)
         stack = colocate(
@@ -313,7 +393,10 @@ def main() -> None:
             if isinstance(value, float) and not math.isnan(value)
             else f"{key:<46}{value!r:>14}"
         )
-    if args.json is not None and choice is not None:
+    if args.json is not None:
+        choice = choice or fixed_dtype(
+            dtypes[0], "bench.invariance measures each dtype it is given"
+        )
         import json
 
         record = {
@@ -322,6 +405,7 @@ def main() -> None:
             "cases": results,
             "numerics": modes,
             "partners": partner_counts,
+            "components": parts,
             "environment": environment(choice),
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,9 @@ keep training): `fast` and `batch-invariant`, each for the 2-tenant README step 
 
 from __future__ import annotations
 
+import faulthandler
 import random
+import signal
 import statistics
 import time
 
@@ -102,7 +104,8 @@ def _step(tenants: list[Tenant], tokenizer: object, seed: int) -> None:
 
 
 def main() -> None:
-    args = parse_args(__doc__, threads=(int, 2, "torch threads"))
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>`: where a slow run spends its time
+    args = parse_args(__doc__, threads=(int, 1, "torch threads (the server runs one)"))
     torch.set_num_threads(args.threads)
     device = bench_device(args.device).device
     choice = bench_dtype(args.dtype, device)
@@ -129,8 +132,10 @@ def main() -> None:
             apply_numerics(stack.adapted.model, mode)
             start = time.perf_counter()
             _step(group, base.tokenizer, round_)
+            took = time.perf_counter() - start
+            print(f"  {name}: {took:.2f}s", flush=True)
             if round_:
-                times[name].append(time.perf_counter() - start)
+                times[name].append(took)
         print(
             f"round {round_}: " + ", ".join(f"{n} {v[-1]:.2f}s" for n, v in times.items() if v),
             flush=True,
