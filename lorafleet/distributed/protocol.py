@@ -47,7 +47,7 @@ class RankSettings:
     device: str = "cpu"  # "cpu" (gloo) or "cuda" (NCCL, one GPU per rank)
     torch_threads: int | None = None
     collective_timeout_s: float = 600.0
-    numerics: str = "batch-invariant"  # model/numerics.py: batch-invariant or fast
+    numerics: str = "fast"  # model/numerics.py: batch-invariant or fast (DEFAULT_NUMERICS)
 
     @property
     def backend(self) -> str:

@@ -97,7 +97,7 @@ class SamplerSettings:
     device: str = "cpu"
     torch_threads: int | None = None
     prefix_cache_bytes: int | None = None  # per replica; None = the engine's default, 0 = off
-    numerics: str = "batch-invariant"  # model/numerics.py: batch-invariant or fast
+    numerics: str = "fast"  # model/numerics.py: batch-invariant or fast (DEFAULT_NUMERICS)
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,9 @@ What remains: elementwise transcendental functions (exp, rsqrt) may take a vecto
 path depending on a tensor's size (last-bit fp32 differences, far below bf16's resolution), and
 gradient sums over a slot's tokens run in the batch's order (cosine >= 0.9999, measured).
 
-`fast` keeps the stock kernels. The mode is a property of the model (`apply_numerics`), set
-once by `colocate` from the command's `--numerics`. On CUDA the same seam applies: the tiled
+`fast` keeps the stock kernels (the default: DEFAULT_NUMERICS says why). The mode is a
+property of the model (`apply_numerics`), set once by `colocate` from the command's
+`--numerics`. On CUDA the same seam applies: the tiled
 linear keeps cuBLAS on one shape per weight (cuBLAS picks split-K and tile by shape), and the
 attention is the same chunked fp32 code (no flash kernel); the fused LoRA kernel is per-row
 already. That side is not measured here (no GPU on the machine this was built on).
@@ -41,10 +42,16 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 NumericsName = Literal["batch-invariant", "fast"]
 NUMERICS: tuple[NumericsName, ...] = ("batch-invariant", "fast")
-DEFAULT_NUMERICS: NumericsName = "batch-invariant"
-"""The default of every command (see docs/numerics.md for the step-time cost it was chosen on)."""
+DEFAULT_NUMERICS: NumericsName = "fast"
+"""The default of every command. Issue 35's rule: batch-invariant by default where it costs at
+most 15% of the README job's step time; measured on the 2-core AMX Xeon it costs far more
+(NUMERICS_COST, docs/numerics.md: the 64-row tiles make oneDNN re-pack each weight per tile), so
+fast. Not measured on a GPU."""
 
-NUMERICS_COST = "batch-invariant costs +?% step time on the README job (bench/rl_numerics.py)"
+NUMERICS_COST = (
+    "batch-invariant costs +COST% step time on the README job (2-core AMX Xeon, bf16; "
+    "bench/numerics_cost.py), so fast is the default"
+)
 """The measured cost the default was chosen on, printed at start-up and in --help."""
 
 INVARIANT_ATTENTION = "lorafleet_invariant"

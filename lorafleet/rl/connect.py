@@ -121,7 +121,7 @@ def start_backend(
     max_sample_rows: int = 64,
     rollout: RolloutConfig | None = None,
     device: str = "cpu",
-    numerics: str = "batch-invariant",
+    numerics: str = "fast",  # model/numerics.py DEFAULT_NUMERICS
 ) -> Backend:
     """Starts the embedded server on a free loopback port unless `base_url` is given."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
