@@ -156,7 +156,8 @@ class SamplerReplica:
         )
         # on CUDA: the fused kernel and graph decode only once they passed their checks here
         adapted.kernel_verdict = prove_fused_kernel(adapted, settings.r_max)
-        prove_decode_graphs(self.engine)
+        if settings.numerics == "fast":  # invariant attention syncs: no graph capture
+            prove_decode_graphs(self.engine)
         # versions received and not dropped (resident or evicted)
         self._keys: set[VersionKey] = set()
         self._load_lock = threading.Lock()

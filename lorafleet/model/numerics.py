@@ -49,8 +49,8 @@ most 15% of the README job's step time; measured on the 2-core AMX Xeon it costs
 fast. Not measured on a GPU."""
 
 NUMERICS_COST = (
-    "batch-invariant costs +COST% step time on the README job (2-core AMX Xeon, bf16; "
-    "bench/numerics_cost.py), so fast is the default"
+    "batch-invariant costs about +120% CPU time per step on the README job (2-core AMX Xeon, "
+    "bf16; bench/numerics_cost.py), so fast is the default"
 )
 """The measured cost the default was chosen on, printed at start-up and in --help."""
 
