@@ -35,6 +35,7 @@ from lorafleet.hardware import (
     resolve_dtype,
 )
 from lorafleet.model.banks import AdapterSpec
+from lorafleet.model.numerics import NumericsName
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -78,6 +79,32 @@ def add_device_option(parser: argparse.ArgumentParser, default: str = "cpu") -> 
     )
 
 
+def add_numerics_option(parser: argparse.ArgumentParser) -> None:
+    """`--numerics` for benches that run our engines: batch-invariant (the commands' default)
+    or fast (model/numerics.py); `bench_numerics` resolves it and `environment` records it."""
+    from lorafleet.model.numerics import DEFAULT_NUMERICS, NUMERICS
+
+    parser.add_argument(
+        "--numerics",
+        choices=NUMERICS,
+        default=DEFAULT_NUMERICS,
+        help="our engines' numerics: batch-invariant or fast (default: %(default)s)",
+    )
+
+
+def bench_numerics(value: str) -> NumericsName:
+    """`--numerics` checked, printed and kept for `environment` (every JSON records it)."""
+    global _NUMERICS
+    from lorafleet.model.numerics import parse_numerics
+
+    _NUMERICS = parse_numerics(value)
+    print(f"numerics: {_NUMERICS}", flush=True)
+    return _NUMERICS
+
+
+_NUMERICS: str | None = None  # the bench's numerics once resolved (bench_numerics)
+
+
 def bench_device(value: str) -> DeviceChoice:
     """`--device` resolved (a missing CUDA device is refused, naming what was found), printed
     with the device's name and memory, and kept for `environment` (every JSON records it)."""
@@ -95,6 +122,7 @@ def parse_args(
     *,
     with_dtype: bool = True,
     with_device: bool = True,
+    with_numerics: bool = False,
     **extra: tuple[type, object, str],
 ) -> argparse.Namespace:
     """The common options (`--json`, `--repeats`, `--dtype` unless `with_dtype=False`, for the
@@ -111,6 +139,8 @@ def parse_args(
         add_dtype_option(parser)
     if with_device:
         add_device_option(parser)
+    if with_numerics:
+        add_numerics_option(parser)
     for name, (kind, default, help_text) in extra.items():
         parser.add_argument(
             f"--{name.replace('_', '-')}", type=kind, default=default, help=help_text
@@ -208,6 +238,7 @@ def environment(dtype: DtypeChoice | None = None) -> dict[str, object]:
         "cuda_version": torch.version.cuda if cuda else None,
         "device": device.record(),
         "dtype": dtype.record() if dtype is not None else None,
+        "numerics": _NUMERICS,
     }
 
 

@@ -38,6 +38,7 @@ import torch
 from bench.common import (
     bench_device,
     bench_dtype,
+    bench_numerics,
     parse_args,
     publish_random_adapters,
     report,
@@ -98,6 +99,7 @@ class Workload:
 def main() -> None:
     args = parse_args(
         __doc__,
+        with_numerics=True,
         threads=(int, 1, "torch threads"),
         episodes=(int, 16, "episodes played at once"),
         turns=(int, 10, "turns per episode"),
@@ -110,6 +112,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     device = bench_device(args.device).device
     choice = bench_dtype(args.dtype, device)
+    numerics = bench_numerics(args.numerics)
     base = load_base(PRESET, dtype=choice.dtype, device=device)
     stack = colocate(
         base.model,
@@ -120,6 +123,7 @@ def main() -> None:
         sample_slots=1,
         r_max=RANK,
         max_rows=args.episodes,
+        numerics=numerics,
     )
     (key,), _ = publish_random_adapters(stack, 1, RANK)
     engines = {

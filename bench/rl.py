@@ -56,7 +56,15 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
-from bench.common import add_device_option, add_dtype_option, bench_device, bench_dtype, report
+from bench.common import (
+    add_device_option,
+    add_dtype_option,
+    add_numerics_option,
+    bench_device,
+    bench_dtype,
+    bench_numerics,
+    report,
+)
 from lorafleet.rl.connect import Backend, load_tokenizer, start_backend
 from lorafleet.rl.envs import make_env
 from lorafleet.rl.loop import RLConfig, TenantConfig, TenantRunner, render_prompt
@@ -332,6 +340,7 @@ def main() -> None:
     )
     add_dtype_option(parser, default=DEFAULT_DTYPE)
     add_device_option(parser)  # the embedded server's; TRL's side stays on the CPU
+    add_numerics_option(parser)  # the embedded server's
     parser.add_argument("--trl-venv", type=Path, default=DEFAULT_TRL_VENV)
     parser.add_argument(
         "--setup-trl", action="store_true", help="create --trl-venv first (scripts/setup_trl.sh)"
@@ -344,6 +353,7 @@ def main() -> None:
     device = bench_device(args.device).device
     choice = bench_dtype(args.dtype, device)
     dtype = choice.dtype
+    numerics = bench_numerics(args.numerics)
     if args.setup_trl:
         setup_trl(args.trl_venv)
     trl_python = args.trl_venv / "bin" / "python"
@@ -376,6 +386,7 @@ def main() -> None:
             max_sample_rows=128,
             torch_threads=args.torch_threads,
             device=device,
+            numerics=numerics,
         )
         config = RLConfig(
             args.base_model, run_dir, tenants, progress=False, dtype=dtype, device=device

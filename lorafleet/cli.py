@@ -18,6 +18,7 @@ from lorafleet.model.presets import PRESETS, PresetUnavailableError
 
 if TYPE_CHECKING:
     from lorafleet.distributed.placement import DistConfig
+    from lorafleet.model.numerics import NumericsName
     from lorafleet.sync.rollout_config import RolloutConfig
 
 # Raised for bad input or missing optional installs: print one line, exit 2, no traceback.
@@ -131,6 +132,39 @@ def _resolve_dtype(value: str, device: str = "cpu") -> str:
     return choice.dtype
 
 
+# --------------------------------------------------------------------------- numerics
+
+
+def _numerics_value(value: str) -> str:
+    from lorafleet.model.numerics import parse_numerics
+
+    try:
+        return parse_numerics(value)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _add_numerics_option(parser: argparse.ArgumentParser) -> None:
+    from lorafleet.model.numerics import DEFAULT_NUMERICS, NUMERICS_COST
+
+    parser.add_argument(
+        "--numerics",
+        type=_numerics_value,
+        default=DEFAULT_NUMERICS,
+        help="batch-invariant: a tenant's log-probs and gradients do not depend on what shares "
+        "its batches (the sampler agrees with the trainer); fast: the stock kernels. "
+        f"{NUMERICS_COST.replace('%', '%%')} (default: %(default)s; docs/numerics.md)",
+    )
+
+
+def _say_numerics(value: str) -> NumericsName:
+    from lorafleet.model.numerics import NUMERICS_COST, parse_numerics
+
+    numerics = parse_numerics(value)
+    print(f"lorafleet: numerics {numerics} ({NUMERICS_COST})", file=sys.stderr)
+    return numerics
+
+
 # --------------------------------------------------------------------------- device
 
 
@@ -180,6 +214,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         steps=args.steps,
         out_dir=Path(args.out),
         device=device,
+        numerics=_say_numerics(args.numerics),
     )
     return 0
 
@@ -189,6 +224,7 @@ def _register_demo(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--base-model", default="smollm2-135m", help="preset name or local HF dir")
     _add_dtype_option(parser, "base model dtype")
     _add_device_option(parser, "where the base and the adapters run")
+    _add_numerics_option(parser)
     parser.add_argument("--steps", type=int, default=8, help="training steps")
     parser.add_argument("--out", default="runs/demo", help="where the PEFT adapters are written")
     parser.set_defaults(func=_cmd_demo)
@@ -222,6 +258,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         dist=_dist_config(args, device),
         rollout=rollout,
         device=device,
+        numerics=_say_numerics(args.numerics),
         **_memory_sizes(args),
     )
     config = ServerConfig(
@@ -526,6 +563,7 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
     )
     _add_dtype_option(parser, "base model dtype")
     _add_device_option(parser, "where the trainer, the sampler and their caches run")
+    _add_numerics_option(parser)
     parser.add_argument(
         "--max-adapters",
         type=_positive_count,
@@ -730,6 +768,7 @@ def _cmd_rl(args: argparse.Namespace) -> int:
         rollout=rollout,
         device=args.device,
         max_steps_off_policy=args.max_steps_off_policy,
+        numerics=_say_numerics(args.numerics),
     )
     if config.rollout is not None and config.base_url:
         raise SystemExit(
@@ -809,6 +848,7 @@ def _register_rl(subparsers: argparse._SubParsersAction) -> None:
     )
     _add_dtype_option(parser, "embedded server's base model dtype")
     _add_device_option(parser, "where the embedded server trains and samples")
+    _add_numerics_option(parser)
     parser.add_argument("--torch-threads", type=int, default=None)
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (logs, CI)")
     _add_rollout_options(parser)
@@ -838,6 +878,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
             dtype=args.dtype,
             device=args.device,
+            numerics=_say_numerics(args.numerics),
         )
     )
     return 0
@@ -869,6 +910,7 @@ def _register_sft(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--api-key", default=None, help="tml-... key for --base-url")
     _add_dtype_option(parser, "embedded server's base model dtype")
     _add_device_option(parser, "where the embedded server trains and samples")
+    _add_numerics_option(parser)
     parser.add_argument("--no-progress", action="store_true")
     parser.set_defaults(func=_cmd_sft)
 

@@ -18,6 +18,7 @@ from lorafleet.model.adapted import AdaptedModel
 from lorafleet.model.banks import AdapterSpec
 from lorafleet.model.kernel_check import prove_fused_kernel
 from lorafleet.model.loader import load_base
+from lorafleet.model.numerics import DEFAULT_NUMERICS, NumericsName, apply_numerics
 from lorafleet.model.targets import resolve_tinker_targets
 from lorafleet.train.engine import TrainEngine, TrainItem
 from lorafleet.train.optim import AdamHParams
@@ -60,11 +61,18 @@ def _chat_item(tokenizer: Any, tenant: DemoTenant, slot: int) -> TrainItem:
 
 
 def run_demo(
-    base_model: str, *, dtype: str, steps: int, out_dir: Path, device: str = "cpu"
+    base_model: str,
+    *,
+    dtype: str,
+    steps: int,
+    out_dir: Path,
+    device: str = "cpu",
+    numerics: NumericsName = DEFAULT_NUMERICS,
 ) -> list[dict[str, float]]:
     start = time.perf_counter()
     base = load_base(base_model, dtype=dtype, device=device)
     loaded_s = time.perf_counter() - start
+    apply_numerics(base.model, numerics)
     adapted = AdaptedModel(base.model, resolve_tinker_targets(base.model))
     r_max = max(t.rank for t in TENANTS)
     adapted.add_bank("train", num_slots=len(TENANTS) + 1, r_max=r_max)

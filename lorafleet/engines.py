@@ -39,6 +39,7 @@ from lorafleet.model.memory import (
     plan_memory,
     unplanned,
 )
+from lorafleet.model.numerics import DEFAULT_NUMERICS, NumericsName, apply_numerics
 from lorafleet.sample.cuda_graphs import prove_decode_graphs
 from lorafleet.sample.engine import DEFAULT_MAX_ROWS, SampleEngine
 from lorafleet.sample.versions import VersionStore
@@ -98,6 +99,9 @@ class EngineConfig:
     # once and records what it decided in `memory_plan`.
     memory_planned: frozenset[str] = frozenset()
     memory_plan: MemoryPlan | None = None
+    # batch-invariant (a row's numbers do not depend on its batch partners) or fast (the
+    # stock kernels); model/numerics.py, docs/numerics.md
+    numerics: NumericsName = DEFAULT_NUMERICS
 
 
 # --------------------------------------------------------------------------- colocated
@@ -130,13 +134,16 @@ def colocate(
     token_budget: int = DEFAULT_TOKEN_BUDGET,
     prefix_cache_bytes: int | None = None,
     decode_graphs: bool = True,
+    numerics: NumericsName = DEFAULT_NUMERICS,
 ) -> Colocated:
     """Wraps `model` once; `train_slots`/`sample_slots` adapters (slot 0, the base, not counted).
 
     `copy_slot_from` needs both bank sets over the same layers with the same r_max; building
     them here in one place keeps that invariant out of every caller. On CUDA the kernels are
     proven before anything is served (`prove_kernels`); `decode_graphs` False keeps decode
-    eager even where replay would pass its check."""
+    eager even where replay would pass its check. `numerics` switches the base's matmuls and
+    attention (model/numerics.py) before anything is built or checked over it."""
+    apply_numerics(model, numerics)
     adapted = AdaptedModel(model, layer_paths, kernel=kernel)
     adapted.add_bank("train", num_slots=train_slots + 1, r_max=r_max)
     sample_bank = adapted.add_bank(
@@ -153,7 +160,9 @@ def colocate(
         max_rows=max_rows,
         prefix_cache_bytes=prefix_cache_bytes,
     )
-    prove_kernels(adapted, sampler, r_max, decode_graphs=decode_graphs)
+    # the invariant attention checks its masks on the host (a sync): no CUDA-graph capture
+    graphs = decode_graphs and numerics == "fast"
+    prove_kernels(adapted, sampler, r_max, decode_graphs=graphs)
     return Colocated(adapted=adapted, trainer=trainer, versions=versions, sampler=sampler)
 
 
@@ -296,6 +305,7 @@ def build_engines(config: EngineConfig, base: LoadedBase, targets: Sequence[str]
             max_rows=config.max_sample_rows,
             token_budget=config.token_budget,
             prefix_cache_bytes=config.prefix_cache_bytes,
+            numerics=config.numerics,
         ).engines()
     config.dist.validate()
     if config.dist.ray is None:
@@ -340,6 +350,7 @@ def _rollout_engines(
         max_rows=config.max_sample_rows,
         token_budget=config.token_budget,
         decode_graphs=False,  # kept for its request limits only: vLLM/SGLang sample
+        numerics=config.numerics,
     )
     pool = build_pool(
         rollout,
@@ -364,6 +375,7 @@ def _rank_settings(config: EngineConfig, dist: DistConfig, targets: Sequence[str
         token_budget=config.token_budget,
         device=dist.device,
         torch_threads=dist.torch_threads,
+        numerics=config.numerics,
         collective_timeout_s=dist.collective_timeout_s,
     )
 
@@ -393,6 +405,7 @@ def _torchrun_engines(
         TorchrunRanks(_rank_settings(config, dist, targets), dist.trainer_ranks)
     )
     _check_same_base(trainer, base.model_id)
+    apply_numerics(base.model, config.numerics)
     adapted = AdaptedModel(base.model, targets)
     bank = adapted.add_bank(
         "sample", num_slots=config.sampler_slots + 1, r_max=config.max_lora_rank, trainable=False
@@ -408,7 +421,7 @@ def _torchrun_engines(
         max_rows=config.max_sample_rows,
         prefix_cache_bytes=config.prefix_cache_bytes,
     )
-    prove_kernels(adapted, sampler, config.max_lora_rank)
+    prove_kernels(adapted, sampler, config.max_lora_rank, decode_graphs=config.numerics == "fast")
     return EngineSet(trainer=trainer, sampler=sampler, owned=(trainer,))
 
 
@@ -441,6 +454,7 @@ def _ray_engines(
                 device=dist.device,
                 torch_threads=dist.torch_threads,
                 prefix_cache_bytes=config.prefix_cache_bytes,
+                numerics=config.numerics,
             ),
             dist.sampler_replicas,
             trainer=trainer,

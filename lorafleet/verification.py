@@ -26,6 +26,7 @@ from lorafleet.canary import (
 )
 from lorafleet.fsio import PathLike
 from lorafleet.interfaces import Sampler, Trainer
+from lorafleet.model.numerics import model_numerics
 from lorafleet.sample.canary_probe import sampler_canary_logprobs, version_name
 from lorafleet.sample.types import VersionKey
 
@@ -52,7 +53,13 @@ def canary_check(
         tokens if tokens is not None else canary_tokens(sampler.limits.vocab_size)
     )
     if tolerance is None:
-        tolerance = tolerance_for(sampler.dtype, same_implementation=True)
+        # both sides batch-invariant (one model under both in a colocated stack): the tight one
+        invariant = (
+            all(_numerics(side) in ("batch-invariant", None) for side in (sampler, trainer))
+            and _numerics(sampler) == "batch-invariant"
+        )
+
+        tolerance = tolerance_for(sampler.dtype, same_implementation=True, invariant=invariant)
     served = sampler_canary_logprobs(sampler, key, canary)
     base = sampler_canary_logprobs(sampler, None, canary)
     expected = trainer.canary_logprobs(trainer_slot, canary)
@@ -92,3 +99,11 @@ def publish_verified(
         sampler.versions.drop(key)
         raise
     return key, result
+
+
+def _numerics(engine: object) -> str | None:
+    """The numerics of an engine's model in this process; None when it has none here (trainer
+    ranks elsewhere, built from the same engine config as the sampler)."""
+    adapted = getattr(engine, "adapted", None)
+    model = getattr(adapted, "model", None)
+    return None if model is None else model_numerics(model)

@@ -33,6 +33,10 @@ def test_tolerances_by_dtype_and_implementation():
     assert tolerance_for(torch.bfloat16, same_implementation=True) == 0.02
     assert tolerance_for(torch.float32) == 1e-3
     assert tolerance_for(torch.bfloat16) == 0.5
+    assert tolerance_for(torch.bfloat16, same_implementation=True, invariant=True) == 1e-3
+    assert tolerance_for(torch.float32, same_implementation=True, invariant=True) == 1e-5
+    with pytest.raises(ValueError, match="our own sampler only"):
+        tolerance_for(torch.bfloat16, invariant=True)
 
 
 @pytest.mark.parametrize("same", [True, False])

@@ -8,6 +8,7 @@ import torch
 from lorafleet.canary import SyncVerificationError
 from lorafleet.engines import Colocated, colocate
 from lorafleet.model.banks import AdapterSpec
+from lorafleet.model.numerics import parse_numerics
 from lorafleet.model.targets import resolve_tinker_targets
 from lorafleet.sample import UnknownVersionError
 from lorafleet.verification import canary_check, publish_verified
@@ -16,10 +17,15 @@ from tests._models import tiny_qwen3
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def make(dtype: torch.dtype = torch.float32) -> Colocated:
+def make(dtype: torch.dtype = torch.float32, numerics: str = "batch-invariant") -> Colocated:
     model = tiny_qwen3().to(dtype)
     return colocate(
-        model, resolve_tinker_targets(model), base_model_id="tiny", r_max=8, sample_slots=4
+        model,
+        resolve_tinker_targets(model),
+        base_model_id="tiny",
+        r_max=8,
+        sample_slots=4,
+        numerics=parse_numerics(numerics),
     )
 
 
@@ -39,8 +45,21 @@ def test_faithful_sync_passes_and_differs_from_the_base():
     slot = trained_slot(stack, 1)
     _key, result = publish_verified(stack.sampler, stack.trainer, slot, "a")
     assert result.differs_check == "passed"
-    assert result.max_abs_diff <= 1e-4 == result.tolerance
+    assert result.max_abs_diff <= 1e-5 == result.tolerance
     assert result.base_diff > 0.01
+
+
+@pytest.mark.parametrize("numerics,tolerance", [("batch-invariant", 1e-3), ("fast", 0.02)])
+def test_bf16_canary_tolerance_follows_the_numerics(numerics: str, tolerance: float):
+    """Batch-invariant: the sampler computes the canary exactly as the trainer does, so the bf16
+    tolerance is the tight one (canary.INVARIANT_TOLERANCES); fast keeps the stock one."""
+    stack = make(torch.bfloat16, numerics)
+    slot = trained_slot(stack, 1)
+    _key, result = publish_verified(stack.sampler, stack.trainer, slot, "a")
+    assert result.differs_check == "passed" and result.tolerance == tolerance
+    assert result.max_abs_diff <= tolerance
+    if numerics == "batch-invariant":
+        assert result.max_abs_diff == 0.0  # the same computation on both sides
 
 
 def test_fresh_adapter_equals_the_base_and_the_result_says_so():
@@ -94,7 +113,7 @@ def test_an_adapter_below_tolerance_must_still_reach_the_sampler():
 
 
 def test_bf16_sync_passes_with_the_bf16_tolerance():
-    stack = make(torch.bfloat16)
+    stack = make(torch.bfloat16, "fast")
     slot = trained_slot(stack, 5)
     _, result = publish_verified(stack.sampler, stack.trainer, slot, "b")
     assert result.tolerance == 0.02 and result.differs_check == "passed"

@@ -47,6 +47,7 @@ class RankSettings:
     device: str = "cpu"  # "cpu" (gloo) or "cuda" (NCCL, one GPU per rank)
     torch_threads: int | None = None
     collective_timeout_s: float = 600.0
+    numerics: str = "fast"  # model/numerics.py: batch-invariant or fast (DEFAULT_NUMERICS)
 
     @property
     def backend(self) -> str:

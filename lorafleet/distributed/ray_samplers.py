@@ -97,6 +97,7 @@ class SamplerSettings:
     device: str = "cpu"
     torch_threads: int | None = None
     prefix_cache_bytes: int | None = None  # per replica; None = the engine's default, 0 = off
+    numerics: str = "fast"  # model/numerics.py: batch-invariant or fast (DEFAULT_NUMERICS)
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,9 @@ class SamplerReplica:
         base = load_base(settings.base_model, dtype=settings.dtype, device=device)
         self.index = index
         self.base_model_id = base.model_id
+        from lorafleet.model.numerics import apply_numerics, parse_numerics
+
+        apply_numerics(base.model, parse_numerics(settings.numerics))
         adapted = AdaptedModel(base.model, settings.targets)
         sample = adapted.add_bank(
             "sample", num_slots=settings.slots + 1, r_max=settings.r_max, trainable=False
@@ -152,7 +156,8 @@ class SamplerReplica:
         )
         # on CUDA: the fused kernel and graph decode only once they passed their checks here
         adapted.kernel_verdict = prove_fused_kernel(adapted, settings.r_max)
-        prove_decode_graphs(self.engine)
+        if settings.numerics == "fast":  # invariant attention syncs: no graph capture
+            prove_decode_graphs(self.engine)
         # versions received and not dropped (resident or evicted)
         self._keys: set[VersionKey] = set()
         self._load_lock = threading.Lock()

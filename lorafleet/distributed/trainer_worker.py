@@ -31,6 +31,7 @@ from lorafleet.model.adapted import AdaptedModel
 from lorafleet.model.banks import layer_experts
 from lorafleet.model.kernel_check import prove_fused_kernel
 from lorafleet.model.loader import load_base, parse_dtype
+from lorafleet.model.numerics import apply_numerics, parse_numerics
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class RankWorker:
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(settings.device, (self.world,))
+        apply_numerics(base.model, parse_numerics(settings.numerics))
         adapted = AdaptedModel(base.model, settings.targets)
         shard_base(base.model, mesh, ShardingConfig(param_dtype=parse_dtype(settings.dtype)))
         adapted.add_bank("train", num_slots=settings.num_slots, r_max=settings.r_max)

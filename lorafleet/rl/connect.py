@@ -121,6 +121,7 @@ def start_backend(
     max_sample_rows: int = 64,
     rollout: RolloutConfig | None = None,
     device: str = "cpu",
+    numerics: str = "fast",  # model/numerics.py DEFAULT_NUMERICS
 ) -> Backend:
     """Starts the embedded server on a free loopback port unless `base_url` is given."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -133,6 +134,7 @@ def start_backend(
         )
     from lorafleet.engines import EngineConfig
     from lorafleet.model.loader import resolve_base
+    from lorafleet.model.numerics import parse_numerics
     from lorafleet.server.config import ServerConfig
     from lorafleet.server.main import ServerThread, free_port
 
@@ -147,6 +149,7 @@ def start_backend(
         max_sample_rows=max_sample_rows,
         rollout=rollout,
         device=device,
+        numerics=parse_numerics(numerics),
         # on CUDA the trainer's micro-batches and the prefix cache follow the free memory
         memory_planned=frozenset({"token_budget", "prefix_cache_bytes"}),
     )

@@ -32,6 +32,7 @@ import tinker
 from tinker import types
 
 from lorafleet.fsio import atomic_write_json, ensure_private_dir, safe_name
+from lorafleet.model.numerics import DEFAULT_NUMERICS
 from lorafleet.rl.connect import (
     Backend,
     embedded_device,
@@ -116,6 +117,8 @@ class RLConfig:
     device: str = "auto"
     # how many versions sampling may run ahead of training (0: synchronous, on-policy)
     max_steps_off_policy: int = 0
+    # the embedded server's numerics: batch-invariant or fast (model/numerics.py)
+    numerics: str = DEFAULT_NUMERICS
 
 
 @dataclass
@@ -513,6 +516,7 @@ def run_rl(config: RLConfig, *, on_step: StepHook | None = None) -> dict[str, Te
         max_sample_rows=min(max(rows_per_step, 16), 256),
         rollout=config.rollout,
         device=device.device,
+        numerics=config.numerics,
     )
     if backend.server is not None:  # never the key itself: it is in the run dir, 0600
         print(

@@ -17,6 +17,7 @@ from typing import Any
 from tinker import types
 
 from lorafleet.fsio import atomic_write_json, ensure_private_dir
+from lorafleet.model.numerics import DEFAULT_NUMERICS
 from lorafleet.rl.connect import (
     embedded_device,
     embedded_dtype,
@@ -46,6 +47,7 @@ class SFTConfig:
     progress: bool = True
     dtype: str = "auto"  # the embedded server's base dtype (see RLConfig.dtype)
     device: str = "auto"  # where the embedded server runs (see RLConfig.device)
+    numerics: str = DEFAULT_NUMERICS  # the embedded server's numerics (see RLConfig.numerics)
 
 
 def _ids(encoded: Any) -> list[int]:
@@ -163,6 +165,7 @@ def run_sft(config: SFTConfig) -> dict[str, Any]:
         max_adapters=2,
         max_rank=max(config.rank, 8),
         device=device.device,
+        numerics=config.numerics,
     )
     service = backend.client(key)
     metrics = MetricsLog(run_dir / "metrics.jsonl", resume=False)

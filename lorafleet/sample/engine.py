@@ -53,6 +53,7 @@ import torch
 
 from lorafleet.model.adapted import AdaptedModel
 from lorafleet.model.memory import is_out_of_memory, release_cached
+from lorafleet.model.numerics import INVARIANT_ATTENTION
 from lorafleet.model.routing import BASE_SLOT
 from lorafleet.sample.admission import FairQueue
 from lorafleet.sample.canary_probe import version_name
@@ -274,10 +275,10 @@ class SampleEngine:
             raise NotImplementedError(
                 f"layer types {odd} (e.g. sliding windows) are not supported by the row cache"
             )
-        if config._attn_implementation not in ("sdpa", "eager"):
+        if config._attn_implementation not in ("sdpa", "eager", INVARIANT_ATTENTION):
             raise NotImplementedError(
                 f"attention implementation {config._attn_implementation!r}: the sampler passes explicit "
-                "4-D masks, which it only builds for 'sdpa' and 'eager'"
+                f"4-D masks, which it only builds for 'sdpa', 'eager' and {INVARIANT_ATTENTION!r}"
             )
 
     @torch.no_grad()

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from lorafleet.canary import tolerance_for
+from lorafleet.model.numerics import model_numerics
 from lorafleet.sample.engine import SampleEngine
 from lorafleet.sample.types import SampleRequest, SamplingParams
 from lorafleet.sample.versions import UnknownVersionError, VersionError
@@ -62,7 +63,11 @@ class EmbeddedEngine:
 
     @property
     def canary_tolerance(self) -> float:
-        return tolerance_for(self.dtype, same_implementation=True)
+        return tolerance_for(
+            self.dtype,
+            same_implementation=True,
+            invariant=model_numerics(self.sampler.adapted.model) == "batch-invariant",
+        )
 
     # ------------------------------------------------------------------ rollouts
     def generate(self, requests: Sequence[RolloutRequest]) -> list[RolloutResult]:

@@ -238,6 +238,8 @@ def test_cli_rl_and_sft_run_end_to_end(tmp_path, capsys):
             "--max-tokens",
             "3",
             "--no-progress",
+            "--numerics",
+            "batch-invariant",
             "--run-dir",
             str(tmp_path / "rl"),
         ]
@@ -248,6 +250,7 @@ def test_cli_rl_and_sft_run_end_to_end(tmp_path, capsys):
     # --device auto: the first CUDA device where there is one
     assert recorded["device"] == ("cuda:0" if torch.cuda.is_available() else "cpu")
     assert recorded["device_choice"]["requested"] == "auto" and recorded["device_choice"]["name"]
+    assert recorded["numerics"] == "batch-invariant"  # the whole run through the invariant path
     data = tmp_path / "d.jsonl"
     data.write_text(
         "".join(
@@ -273,7 +276,9 @@ def test_cli_rl_and_sft_run_end_to_end(tmp_path, capsys):
     assert rc == 0
     summary = json.loads((tmp_path / "sft" / "summary.json").read_text())
     assert summary["held_out_rows"] == 1 and summary["eval_loss_after"] is not None
-    sft_device = json.loads((tmp_path / "sft" / "config.json").read_text())["device"]
+    sft_config = json.loads((tmp_path / "sft" / "config.json").read_text())
+    sft_device = sft_config["device"]
+    assert sft_config["numerics"] == "fast"  # the default (model/numerics.py DEFAULT_NUMERICS)
     assert sft_device == ("cuda:0" if torch.cuda.is_available() else "cpu")
     assert (tmp_path / "sft" / "adapter" / "adapter_config.json").is_file()
     assert main(["rl", "--tenants", "1", "--lr", "x", "--run-dir", str(tmp_path / "bad")]) == 2
