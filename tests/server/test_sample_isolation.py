@@ -203,9 +203,14 @@ def test_openai_stream_disconnect_cancels_and_meters(
         assert reply.status_code == 200
         first = next(reply.iter_lines())
         rid = json.loads(first.removeprefix("data: "))["id"].removeprefix("cmpl-")
-        _wait(lambda: engine._active, "the stream's rows")
+        pending = server.service.futures.is_pending
+        # its rows are running, or (a row drawing EOS within the gate's first steps) it ended
+        _wait(
+            lambda: bool(engine._active) or not pending(rid),
+            "the stream's rows",
+            state=lambda: (pending(rid), _rows(engine), engine.has_work()),
+        )
     # the client is gone: the route sets the cancel event (the sampler is held after 3 steps)
-    pending = server.service.futures.is_pending
     _wait(
         _cancelled_or_gone(engine, lambda: not pending(rid)),
         "the cancel event",
