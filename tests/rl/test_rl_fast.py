@@ -6,6 +6,7 @@ from __future__ import annotations
 import _thread
 import json
 import random
+import re
 import signal
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,9 +47,16 @@ def tenants(*names: str, **kw) -> list[TenantConfig]:
 
 
 def config(run_dir: Path, ts: list[TenantConfig], steps: int, **kw) -> RLConfig:
+    # ShortEnv has 10 questions: hold out 2 (evaluated every 2 steps), train on the other 8
+    kw = {"eval_every": 2, "eval_prompts": 2} | kw
     return RLConfig(
         "tiny-qwen3", run_dir, ts, steps=steps, save_every=2, progress=False, torch_threads=1, **kw
     )
+
+
+def trained(rows: list[dict]) -> list[dict]:
+    """Training rows (the final evaluation is a row of its own, without reward keys)."""
+    return [r for r in rows if "reward_mean" in r]
 
 
 def test_advantages_are_centred_per_group():
@@ -111,22 +119,36 @@ def test_run_writes_metrics_curve_adapters_and_resumes(tmp_path):
         rows = [
             json.loads(line) for line in (run_dir / name / "metrics.jsonl").read_text().splitlines()
         ]
-        assert [row["step"] for row in rows] == [0, 1, 2]
-        assert all(row["rollouts"] == 6 and 0.0 <= row["reward_mean"] <= 1.0 for row in rows)
-        assert any(row["trained_rows"] > 0 for row in rows)
+        assert [row["step"] for row in rows] == [0, 1, 2, 3]
+        train_rows = trained(rows)
+        assert [row["step"] for row in train_rows] == [0, 1, 2]
+        assert all(row["rollouts"] == 6 and 0.0 <= row["reward_mean"] <= 1.0 for row in train_rows)
+        assert any(row["trained_rows"] > 0 for row in train_rows)
+        # held-out evaluation before the first update, every 2 steps and after the last
+        evals = {row["step"]: row for row in rows if "eval_accuracy" in row}
+        assert sorted(evals) == [0, 2, 3]
+        for row in evals.values():
+            assert row["eval_prompts"] == 2 and 0.0 <= row["eval_accuracy"] <= 1.0
+            assert {"eval_reward", "eval_tag_rate", "eval_s"} <= set(row)
+        assert set(rows[-1]) == {"step", "time"} | {k for k in rows[-1] if k.startswith("eval")}
         assert (Path(r.adapter_dir) / "adapter_config.json").is_file()
         assert json.loads((run_dir / name / "state.json").read_text())["step"] == 3
         assert (run_dir / name / "metrics.jsonl").stat().st_mode & 0o077 == 0
     assert (run_dir / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["tenants"]["a"]["steps"] == 3 and not summary["interrupted"]
+    assert summary["tenants"]["a"]["eval_first_step"] == 0
+    assert summary["tenants"]["a"]["eval_last_step"] == 3
+    assert summary["tenants"]["a"]["eval_last"] == evals[3]["eval_accuracy"]
 
     with pytest.raises(ValueError, match="--resume"):
         run_rl(config(run_dir, tenants("a", "b"), steps=5))
     resumed = run_rl(config(run_dir, tenants("a", "b"), steps=5, resume=True))
     assert resumed["a"].error is None
     rows = [json.loads(line) for line in (run_dir / "a" / "metrics.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in rows] == [0, 1, 2, 3, 4]
+    # the old final evaluation (step 3) made way for training step 3; evaluated at 4 and 5
+    assert [row["step"] for row in trained(rows)] == [0, 1, 2, 3, 4]
+    assert [row["step"] for row in rows if "eval_accuracy" in row] == [0, 2, 4, 5]
     assert json.loads((run_dir / "a" / "state.json").read_text())["step"] == 5
     assert resumed["a"].state_path != results["a"].state_path  # a new model, loaded from the state
 
@@ -176,8 +198,8 @@ def test_two_tenants_together_match_each_alone(tmp_path):
     together = run_rl(config(tmp_path / "both", ts, steps=3))
     for t in ts:
         alone = run_rl(config(tmp_path / t.name, [t], steps=3))[t.name]
-        mean_alone = sum(r["reward_mean"] for r in alone.metrics) / 3
-        mean_together = sum(r["reward_mean"] for r in together[t.name].metrics) / 3
+        mean_alone = sum(r["reward_mean"] for r in trained(alone.metrics)) / 3
+        mean_together = sum(r["reward_mean"] for r in trained(together[t.name].metrics)) / 3
         assert abs(mean_alone - mean_together) <= 0.05, (t.name, mean_alone, mean_together)
 
 
@@ -278,3 +300,107 @@ def test_cli_rl_and_sft_run_end_to_end(tmp_path, capsys):
     assert (tmp_path / "sft" / "adapter" / "adapter_config.json").is_file()
     assert main(["rl", "--tenants", "1", "--lr", "x", "--run-dir", str(tmp_path / "bad")]) == 2
     assert "--lr 'x'" in capsys.readouterr().err
+
+
+def test_held_out_problems_are_never_trained_on():
+    """The evaluation set comes from a seed of its own kind and training skips its questions,
+    even on a task small enough that training would otherwise draw most of them."""
+    from lorafleet.rl.evaluation import HeldOut, eval_seed
+    from lorafleet.rl.loop import step_seed
+
+    env = ArithmeticEnv(max_operand=10)  # 121 questions
+    held = HeldOut.draw(env, seed=0, count=32)
+    assert len(held.problems) == 32 == len(held.questions)
+    assert not isinstance(eval_seed(0), int) and eval_seed(0) != eval_seed(1)
+    seen = set()
+    for step in range(200):
+        seen |= {p.question for p in held.training_problems(random.Random(step_seed(0, step)), 8)}
+    assert not seen & held.questions
+    assert len(seen) == 121 - 32  # training still covers everything else
+    # without evaluation training would have drawn held-out questions: the skip is real
+    unfiltered = {
+        p.question for step in range(200) for p in env.problems(random.Random(step_seed(0, step)), 8)
+    }
+    assert unfiltered & held.questions
+    # same seed, same set (a resumed run evaluates the same problems); another seed, another set
+    assert HeldOut.draw(env, seed=0, count=32).questions == held.questions
+    assert HeldOut.draw(env, seed=1, count=32).questions != held.questions
+
+
+def test_held_out_draw_keeps_training_draws_when_nothing_collides():
+    from lorafleet.rl.evaluation import HeldOut
+
+    env = ArithmeticEnv(max_operand=10_000)
+    held = HeldOut.draw(env, seed=3, count=8)
+    assert held.training_problems(random.Random(5), 4) == env.problems(random.Random(5), 4)
+
+
+def test_held_out_scores_greedy_accuracy():
+    from lorafleet.rl.evaluation import HeldOut
+
+    env = ArithmeticEnv(max_operand=10)
+    held = HeldOut.draw(env, seed=0, count=4)
+    answers = [p.answer for p in held.problems]
+    texts = [
+        f"<answer>{answers[0]}</answer>",  # right, tagged: counts
+        f"it is {answers[1]}",  # right number, untagged: partial reward, not accuracy
+        "<answer>-1</answer>",  # wrong
+        "",
+    ]
+    scores = held.score(texts)
+    assert scores["eval_accuracy"] == 0.25
+    assert scores["eval_reward"] == pytest.approx((1.0 + env.partial) / 4)
+    assert scores["eval_tag_rate"] == 0.5 and scores["eval_prompts"] == 4
+
+
+def test_too_small_a_task_for_the_held_out_set_is_refused_up_front(tmp_path):
+    with pytest.raises(ValueError, match="--eval-prompts 11"):
+        run_rl(config(tmp_path / "run", tenants("a"), steps=1, eval_prompts=11))
+    with pytest.raises(ValueError, match="lower --eval-prompts"):
+        run_rl(config(tmp_path / "run", tenants("a"), steps=1, eval_prompts=10))
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--eval-every", "-1", "--eval-every must be >= 0"),
+        ("--eval-prompts", "0", "--eval-prompts must be 1..1024, got 0"),
+        ("--eval-prompts", "1025", "--eval-prompts must be 1..1024, got 1025"),
+        ("--steps", "0", "--steps must be >= 1, got 0"),
+    ],
+)
+def test_cli_refuses_bad_eval_flags_naming_them(tmp_path, capsys, flag, value, message):
+    from lorafleet.cli import EXIT_USER_ERROR, main
+
+    run_dir = tmp_path / "rl"
+    rc = main(["rl", "--base-model", "tiny-qwen3", "--run-dir", str(run_dir), flag, value])
+    assert rc == EXIT_USER_ERROR
+    assert message in capsys.readouterr().err
+    assert not run_dir.exists()
+
+
+def test_reasoning_gym_task_options_are_typed_and_checked():
+    pytest.importorskip("reasoning_gym")
+    env = make_env("rg:chain_sum:max_terms=3:max_digits=1:allow_negation=false")
+    problems = env.problems(random.Random(0), 20)
+    assert all(len(p.entry["metadata"]["expression"].split()) <= 5 for p in problems)
+    assert all(abs(int(p.answer)) <= 27 for p in problems)
+    for bad, message in [
+        ("rg:chain_sum:max_terms=x", "max_terms='x' must be int"),
+        ("rg:chain_sum:nope=1", "'nope' is not a settable field of chain_sum"),
+        ("rg:chain_sum:seed=1", "'seed' is not a settable field"),
+        ("rg:chain_sum:max_terms", "'max_terms' is not key=value"),
+        ("rg:chain_sum:allow_negation=maybe", "must be true or false"),
+        ("rg:chain_sum:min_terms=4:max_terms=3", "max_terms must be >= min_terms"),
+        ("rg:no_such_task", "reasoning-gym has no task 'no_such_task'"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            make_env(bad)
+
+
+def test_cli_tenant_names_drop_task_options():
+    from lorafleet.cli import tenant_name
+
+    assert tenant_name(1, "rg:chain_sum:max_terms=3") == "t1-rg-chain_sum"
+    assert tenant_name(0, "arithmetic:50") == "t0-arithmetic-50"
