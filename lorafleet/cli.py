@@ -682,11 +682,14 @@ def _register_rl(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--tasks",
-        default="arithmetic,rg:chain_sum",
-        help="comma list, cycled over tenants: arithmetic[:MAX], tag[:MAX], rg:<reasoning-gym task>",
+        default="arithmetic,rg:chain_sum:max_terms=3:max_digits=1",
+        help="comma list, cycled over tenants: arithmetic[:MAX], tag[:MAX], "
+        "rg:<reasoning-gym task>[:field=value...] (default: the README job's, %(default)s)",
     )
     parser.add_argument(
-        "--lr", default="5e-4", help="learning rate(s), comma list cycled over tenants"
+        "--lr",
+        default="5e-4,1e-3",
+        help="learning rate(s), comma list cycled over tenants (default: %(default)s)",
     )
     parser.add_argument("--rank", default="8", help="LoRA rank(s), comma list cycled over tenants")
     parser.add_argument(

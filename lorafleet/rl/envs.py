@@ -21,7 +21,7 @@ DEFAULT_SYSTEM_PROMPT = "Answer briefly."
 # reasoning-gym config values settable from a task string (rg_options)
 RgValue = int | float | bool | str
 SCALARS: tuple[type, ...] = (int, float, bool, str)
-INSTRUCTION = "Put only the final answer inside <answer></answer>, for example <answer>42</answer>."
+INSTRUCTION = "Write the final answer as <answer>number</answer>."
 
 
 @dataclass(frozen=True)
@@ -37,12 +37,29 @@ def extract_answer(completion: str) -> str | None:
     return None if match is None else match.group(1).strip()
 
 
+def final_answer(completion: str) -> str | None:
+    """What an evaluation reads as the answer: the tagged one, else the last number (the usual
+    fallback of math evals, GSM8K's among them); None when there is neither."""
+    tagged = extract_answer(completion)
+    if tagged is not None:
+        return tagged
+    numbers = NUMBER_RE.findall(completion)
+    return numbers[-1] if numbers else None
+
+
 class Env(Protocol):
     name: str
 
     def problems(self, rng: random.Random, count: int) -> list[Problem]: ...
 
-    def score(self, problem: Problem, completion: str) -> float: ...
+    def score(self, problem: Problem, completion: str) -> float:
+        """The training reward, shaping included."""
+        ...
+
+    def correct(self, problem: Problem, completion: str) -> bool:
+        """Held-out accuracy (rl/evaluation.py): the `final_answer` is right. Unshaped: the
+        partial credit for a right number somewhere in the text does not count."""
+        ...
 
 
 def _numbers_equal(got: str, want: str) -> bool:
@@ -81,6 +98,10 @@ class ArithmeticEnv:
             return 1.0
         return self.partial * float(problem.answer in NUMBER_RE.findall(completion))
 
+    def correct(self, problem: Problem, completion: str) -> bool:
+        got = final_answer(completion)
+        return got is not None and _numbers_equal(got, problem.answer)
+
 
 @dataclass
 class TagEnv:
@@ -96,6 +117,9 @@ class TagEnv:
     def score(self, problem: Problem, completion: str) -> float:
         got = extract_answer(completion)
         return float(got is not None and re.fullmatch(r"-?\d+(\.\d+)?", got) is not None)
+
+    def correct(self, problem: Problem, completion: str) -> bool:
+        return self.score(problem, completion) == 1.0  # the format is the whole task
 
 
 @dataclass
@@ -146,6 +170,10 @@ class ReasoningGymEnv:
             (float(self._scorer.score_answer(n, problem.entry)) for n in numbers), default=0.0
         )
         return self.partial * best
+
+    def correct(self, problem: Problem, completion: str) -> bool:
+        got = final_answer(completion)
+        return got is not None and float(self._scorer.score_answer(got, problem.entry)) >= 1.0
 
 
 BUILTIN = {"arithmetic": ArithmeticEnv, "tag": TagEnv}

@@ -9,8 +9,10 @@ only by luck of the seed: a small task such as `arithmetic:10` (121 questions) w
 train on most of them. The same set is evaluated every time, greedily (temperature 0, one
 sample each), so two evaluations differ only by the weights.
 
-Accuracy counts a full score (`env.score == 1`: the right answer in the requested format);
-`eval_reward` is the mean shaped reward, on the same scale as the training reward.
+`eval_accuracy` is the share of held-out problems whose final answer is right (`env.correct`:
+the tagged answer, else the last number in the completion; no partial credit);
+`eval_reward` is the mean shaped training reward on them, and `eval_tag_rate` the share that
+used the requested `<answer>` tag (what the strict format-and-answer score also needs).
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ EVAL_SEED_TAG = "lorafleet-eval"
 # Draws of `count` problems tried before a task is declared too small to hold out the set:
 # bounds the work before the first step, whatever the task.
 MAX_DRAW_ROUNDS = 100
-FULL_SCORE = 1.0 - 1e-9
 
 
 def eval_seed(seed: int) -> str:
@@ -113,10 +114,11 @@ class HeldOut:
         """The eval keys of a metrics row, from one completion per held-out problem."""
         if len(texts) != len(self.problems):
             raise ValueError(f"{len(texts)} completions for {len(self.problems)} problems")
-        scores = [self.env.score(p, t) for p, t in zip(self.problems, texts, strict=True)]
+        pairs = list(zip(self.problems, texts, strict=True))
+        scores = [self.env.score(p, t) for p, t in pairs]
         n = len(scores)
         return {
-            "eval_accuracy": sum(s >= FULL_SCORE for s in scores) / n,
+            "eval_accuracy": sum(self.env.correct(p, t) for p, t in pairs) / n,
             "eval_reward": sum(scores) / n,
             "eval_tag_rate": sum(extract_answer(t) is not None for t in texts) / n,
             "eval_prompts": n,

@@ -33,6 +33,9 @@ class ShortEnv:
     def score(self, problem: Problem, completion: str) -> float:
         return sum(c.isdigit() or c.isspace() for c in completion) / max(len(completion), 1)
 
+    def correct(self, problem: Problem, completion: str) -> bool:
+        return self.score(problem, completion) == 1.0
+
 
 @pytest.fixture(autouse=True)
 def short_env(monkeypatch):
@@ -319,7 +322,9 @@ def test_held_out_problems_are_never_trained_on():
     assert len(seen) == 121 - 32  # training still covers everything else
     # without evaluation training would have drawn held-out questions: the skip is real
     unfiltered = {
-        p.question for step in range(200) for p in env.problems(random.Random(step_seed(0, step)), 8)
+        p.question
+        for step in range(200)
+        for p in env.problems(random.Random(step_seed(0, step)), 8)
     }
     assert unfiltered & held.questions
     # same seed, same set (a resumed run evaluates the same problems); another seed, another set
@@ -342,14 +347,14 @@ def test_held_out_scores_greedy_accuracy():
     held = HeldOut.draw(env, seed=0, count=4)
     answers = [p.answer for p in held.problems]
     texts = [
-        f"<answer>{answers[0]}</answer>",  # right, tagged: counts
-        f"it is {answers[1]}",  # right number, untagged: partial reward, not accuracy
-        "<answer>-1</answer>",  # wrong
-        "",
+        f"<answer>{answers[0]}</answer>",  # right, tagged
+        f"it is {answers[1]}",  # right as the last number, untagged: counts, half the reward
+        f"<answer>-1</answer> {answers[2]}",  # the tag wins over a later right number: wrong
+        f"{answers[3]} + 1 = 99",  # a right number that is not the final answer: wrong
     ]
     scores = held.score(texts)
-    assert scores["eval_accuracy"] == 0.25
-    assert scores["eval_reward"] == pytest.approx((1.0 + env.partial) / 4)
+    assert scores["eval_accuracy"] == 0.5
+    assert scores["eval_reward"] == pytest.approx((1.0 + 3 * env.partial) / 4)
     assert scores["eval_tag_rate"] == 0.5 and scores["eval_prompts"] == 4
 
 
@@ -404,3 +409,21 @@ def test_cli_tenant_names_drop_task_options():
 
     assert tenant_name(1, "rg:chain_sum:max_terms=3") == "t1-rg-chain_sum"
     assert tenant_name(0, "arithmetic:50") == "t0-arithmetic-50"
+
+
+def test_readme_job_is_the_one_bench_learning_checks():
+    """README command 1, the CLI's defaults and bench/learning.py's job are one job: the
+    three-seed table in docs/learning.md is about what a newcomer runs."""
+    from bench.learning import README_JOB
+    from lorafleet.cli import build_parser
+
+    root = Path(__file__).resolve().parents[2]
+    command = " ".join(
+        ["HF_HUB_OFFLINE=1 .venv/bin/lorafleet rl", *README_JOB, "--run-dir runs/rl"]
+    )
+    assert command in (root / "README.md").read_text()
+    assert command in (root / "docs" / "learning.md").read_text()
+    args = build_parser().parse_args(["rl"])
+    flags = dict(zip(README_JOB[::2], README_JOB[1::2], strict=True))
+    assert args.tasks == flags["--tasks"] and str(args.tenants) == flags["--tenants"]
+    assert args.lr == flags["--lr"] and str(args.steps) == flags["--steps"]
