@@ -1,9 +1,12 @@
 """Reward environments: seeded problem generators plus scorers, all offline.
 
 Every env asks for the final answer inside `<answer>...</answer>` so one extractor serves all of
-them, and a small model gets a learnable signal (the format) before it gets the content right.
-A correct tagged answer earns 1; a correct number left untagged earns `partial` (shaping that
-gives a 135M model a gradient from the first step).
+them. A correct tagged answer earns 1; a correct number left untagged earns `partial` (shaping
+that gives a 135M model a gradient from the first step: in the README job's 10 steps SmolLM2
+learns mostly to state the right number, rarely the tag; docs/learning.md). The instruction
+shows the tag with no number in it: an example answer (`<answer>42</answer>`) was copied
+verbatim by the model, and a tagged wrong number scores below an untagged right one.
+`correct` is the unshaped check held-out evaluation counts (rl/evaluation.py).
 """
 
 from __future__ import annotations
