@@ -137,7 +137,9 @@ def test_run_writes_metrics_curve_adapters_and_resumes(tmp_path):
         assert (Path(r.adapter_dir) / "adapter_config.json").is_file()
         assert json.loads((run_dir / name / "state.json").read_text())["step"] == 3
         assert (run_dir / name / "metrics.jsonl").stat().st_mode & 0o077 == 0
-    assert (run_dir / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    png = (run_dir / "reward.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert int.from_bytes(png[16:20], "big") == 1400  # two 7-inch panels: reward, eval
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["tenants"]["a"]["steps"] == 3 and not summary["interrupted"]
     assert summary["tenants"]["a"]["eval_first_step"] == 0
@@ -330,6 +332,14 @@ def test_held_out_problems_are_never_trained_on():
     # same seed, same set (a resumed run evaluates the same problems); another seed, another set
     assert HeldOut.draw(env, seed=0, count=32).questions == held.questions
     assert HeldOut.draw(env, seed=1, count=32).questions != held.questions
+
+
+def test_without_evaluation_the_curve_has_one_panel_and_rows_no_eval_keys(tmp_path):
+    results = run_rl(config(tmp_path / "run", tenants("a"), steps=2, eval_every=0))
+    assert [row["step"] for row in results["a"].metrics] == [0, 1]
+    assert not any(k.startswith("eval") for row in results["a"].metrics for k in row)
+    png = (tmp_path / "run" / "reward.png").read_bytes()
+    assert int.from_bytes(png[16:20], "big") == 700
 
 
 def test_held_out_draw_keeps_training_draws_when_nothing_collides():
