@@ -250,14 +250,14 @@ class TenantRunner:
                 row = self.train_step(tc, tokenizer, step)
                 self._record(tc, row)
                 step += 1
-                self.progress.update(cfg.name, step, _stats(row))
+                self.progress.update(cfg.name, step, _stats(self.metrics.rows))
                 if step % self.run_cfg.save_every == 0:
                     self._save(tc, step)
                     saved = step
             if self._eval_due(step, final=True) and not self.stop.is_set():
                 row = self._final_eval(tc, tokenizer, step)
                 self._record(tc, row)
-                self.progress.update(cfg.name, step, _stats(row))
+                self.progress.update(cfg.name, step, _stats(self.metrics.rows))
         except Exception:
             if step > saved:  # keep what was learnt; the step's own error is the one to report
                 try:
@@ -391,16 +391,19 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     return read_metrics(path) if path.is_file() else []
 
 
-def _stats(row: dict[str, Any]) -> str:
+def _stats(rows: list[dict[str, Any]]) -> str:
+    """The progress line: the last training step's figures and the latest evaluation."""
     parts = []
-    if "reward_mean" in row:
-        loss = row["loss_per_token"]
+    trained = next((r for r in reversed(rows) if "reward_mean" in r), None)
+    if trained is not None:
+        loss = trained["loss_per_token"]
         parts.append(
-            f"reward {row['reward_mean']:.3f}  tag {row['tag_rate']:.2f}  "
+            f"reward {trained['reward_mean']:.3f}  tag {trained['tag_rate']:.2f}  "
             f"loss {'-' if loss is None else f'{loss:+.4f}'}"
         )
-    if "eval_accuracy" in row:
-        parts.append(f"eval {row['eval_accuracy']:.3f}")
+    evaluated = next((r for r in reversed(rows) if "eval_accuracy" in r), None)
+    if evaluated is not None:
+        parts.append(f"eval {evaluated['eval_accuracy']:.3f} (step {evaluated['step']})")
     return "  ".join(parts)
 
 

@@ -437,3 +437,21 @@ def test_readme_job_is_the_one_bench_learning_checks():
     flags = dict(zip(README_JOB[::2], README_JOB[1::2], strict=True))
     assert args.tasks == flags["--tasks"] and str(args.tenants) == flags["--tenants"]
     assert args.lr == flags["--lr"] and str(args.steps) == flags["--steps"]
+
+
+def test_progress_line_keeps_the_training_figures_beside_the_latest_evaluation():
+    from lorafleet.rl.loop import _stats
+
+    rows = [
+        {
+            "step": 0,
+            "reward_mean": 0.25,
+            "tag_rate": 0.5,
+            "loss_per_token": None,
+            "eval_accuracy": 0.5,
+        },
+        {"step": 1, "reward_mean": 0.375, "tag_rate": 0.25, "loss_per_token": 0.01},
+        {"step": 2, "eval_accuracy": 0.75},
+    ]
+    assert _stats(rows) == "reward 0.375  tag 0.25  loss +0.0100  eval 0.750 (step 2)"
+    assert _stats(rows[:2]) == "reward 0.375  tag 0.25  loss +0.0100  eval 0.500 (step 0)"
