@@ -128,7 +128,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="ARG",
         help="an extra `lorafleet serve` argument, repeatable (e.g. --serve-arg=--torch-threads=2)",
     )
+    parser.add_argument(
+        "--recipe-deps",
+        type=Path,
+        default=None,
+        help="a `pip install --target` directory holding the recipe's own imports (RECIPE_DEPS): "
+        "the recipe then runs with this python and that directory on PYTHONPATH instead of the "
+        "overlay venv",
+    )
     args = parser.parse_args(argv)
+    if args.recipe_deps is not None and not args.recipe_deps.is_dir():
+        parser.error(f"--recipe-deps must be a directory, got {str(args.recipe_deps)!r}")
     for name in ("max_steps", "group_size", "batch_size", "max_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -205,7 +215,16 @@ def recipe_command(args: argparse.Namespace, model_dir: Path, log_path: Path) ->
         "behavior_if_log_dir_exists": "raise",
     }
     options.update(dict(args.extra))
-    return [str(recipe_python()), "-m", RECIPE, *(f"{k}={v}" for k, v in options.items())]
+    python = sys.executable if args.recipe_deps is not None else str(recipe_python())
+    return [python, "-m", RECIPE, *(f"{k}={v}" for k, v in options.items())]
+
+
+def recipe_env(args: argparse.Namespace, env: dict[str, str]) -> dict[str, str]:
+    """The recipe's environment: with `--recipe-deps`, that directory first on PYTHONPATH."""
+    if args.recipe_deps is None:
+        return env
+    path = [str(args.recipe_deps.resolve()), env.get("PYTHONPATH", "")]
+    return {**env, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -247,7 +266,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         server = subprocess.Popen(serve_cmd, stdout=serve_out, stderr=subprocess.STDOUT, env=env)
         try:
             wait_healthy(url, server, 600, details=lambda: _tail(serve_log))
-            recipe_env = {**env, "TINKER_BASE_URL": url, "TINKER_API_KEY": KEY}
+            env_of_recipe = recipe_env(args, {**env, "TINKER_BASE_URL": url, "TINKER_API_KEY": KEY})
             start = time.perf_counter()
             with recipe_log.open("wb") as recipe_out:
                 try:
@@ -255,7 +274,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         cmd,
                         stdout=recipe_out,
                         stderr=subprocess.STDOUT,
-                        env=recipe_env,
+                        env=env_of_recipe,
                         timeout=args.timeout_s,
                     )
                 except subprocess.TimeoutExpired:
@@ -290,6 +309,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "max_steps": args.max_steps,
             "extra": dict(args.extra),
             "serve_args": list(args.serve_arg),
+            "recipe_deps": None if args.recipe_deps is None else str(args.recipe_deps),
         },
         "commands": {"serve": serve_cmd, "recipe": cmd},
         "recipe_wall_s": wall_s,

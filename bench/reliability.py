@@ -18,7 +18,13 @@ Seven parts, the same code as tests/reliability (which runs them smaller in CI):
 - moved_dir: checkpoints of several tenants, the data dir moved, a restart there: every
   checkpoint lists, loads and samples (also from a schema-1 database with absolute paths);
 - big_request: the server's peak RSS growth for the largest sample request its caps allow,
-  and requests over the caps refused before any work.
+  and requests over the caps refused before any work;
+- prefix_probe, stream_cost (bench/reliability_channels.py): the side channels between
+  tenants (the prefix cache's counters and timing; console streams' cost to another tenant);
+- poison_row, quota_race, hangup (bench/reliability_isolation.py): one tenant's hostile
+  sampling parameters in the same engine steps as other tenants' samples
+  (`poison_row_failed_others`), concurrent copies and samples against one tenant's quotas
+  (`quota_overshoot`), and dropped streams / abandoned SDK calls (`hangup_busy_s`).
 
 Everything runs on the tiny-qwen3 preset: the battery measures what the server survives, not
 its speed (bench/server.py measures speed). Nothing here asserts anything; the tests do.
@@ -35,6 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench import reliability_channels, reliability_isolation
 from bench.common import environment, fixed_dtype
 
 REQUIRED = (
@@ -47,6 +54,7 @@ REQUIRED = (
     "disk_full_recovered",
     "checkpoints_lost_on_move",
     "peak_rss_growth_mb",
+    *reliability_isolation.SUMMARY,
 )
 
 
@@ -60,6 +68,8 @@ PART_OF = {
     "disk_full_recovered": "disk_full",
     "checkpoints_lost_on_move": "moved_dir",
     "peak_rss_growth_mb": "big_request",
+    **reliability_channels.FIGURES,
+    **reliability_isolation.SUMMARY,
 }  # the part whose run a summary figure comes from (only those that ran are printed)
 
 
@@ -77,7 +87,19 @@ def _args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--only",
-        default="load,crash,fuzz,security,disk_full,moved_dir,big_request",
+        default=",".join(
+            [
+                "load",
+                "crash",
+                "fuzz",
+                "security",
+                "disk_full",
+                "moved_dir",
+                "big_request",
+                *list(reliability_channels.PHASES),
+                *reliability_isolation.PARTS,
+            ]
+        ),
         help="comma-separated parts to run",
     )
     parser.add_argument(
@@ -262,6 +284,9 @@ def main() -> int:
             )
         )
 
+    reliability_channels.run_phases(parts, workdir, args.seed, out, rows, _log)
+    reliability_isolation.run(parts, workdir, out, rows, _log)
+
     load_out, crash_out, fuzz_out, sec_out = (
         out.get(k, {}) for k in ("load", "crash", "fuzz", "security")
     )
@@ -288,9 +313,9 @@ def main() -> int:
     out["wall_s"] = time.perf_counter() - began
 
     print("\nreliability battery (tiny-qwen3)")
-    print(f"{'part':<9} | {'what was tried':<70} | what held")
+    print(f"{'part':<10} | {'what was tried':<70} | what held")
     for part, tried, held in rows:
-        print(f"{part:<9} | {tried:<70} | {held}")
+        print(f"{part:<10} | {tried:<70} | {held}")
     if "load" in out:
         print("\nload latency per call (ms, all tenants, concurrent run)")
         print(f"{'call':<26}{'n':>6}{'p50':>10}{'p99':>10}{'max':>10}")
@@ -300,7 +325,11 @@ def main() -> int:
             )
     print(
         "\n"
-        + ", ".join(f"{k}={out[k]}" for k in REQUIRED if PART_OF[k] in parts)
+        + ", ".join(
+            f"{k}={out[k]}"
+            for k in (*REQUIRED, *reliability_channels.FIGURES)
+            if PART_OF[k] in parts
+        )
         + (f" (of {out['crash_cycles']} crash cycles)" if "crash" in parts else "")
     )
     if args.json is not None:

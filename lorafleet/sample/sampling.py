@@ -101,6 +101,19 @@ def _inverse_cdf(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
     return (chunk * CDF_CHUNK + index).squeeze(1)
 
 
+def draw_uniforms(
+    temperature: Sequence[float], generators: Sequence[torch.Generator]
+) -> torch.Tensor:
+    """One uniform in [0, 1) per row that samples (temperature > 0), from that row's own
+    generator; greedy rows draw nothing (0.0). Drawn apart from the token choice, so that a
+    choice that is redone (a batch that failed, retried row by row) reuses the same numbers."""
+    values = [
+        float(torch.rand(1, generator=generators[r], dtype=torch.float64)) if t > 0 else 0.0
+        for r, t in enumerate(temperature)
+    ]
+    return torch.tensor(values, dtype=torch.float64)
+
+
 def choose_tokens(
     logits: torch.Tensor,
     temperature: Sequence[float],
@@ -109,6 +122,19 @@ def choose_tokens(
     generators: Sequence[torch.Generator],
 ) -> torch.Tensor:
     """Next token per row of fp32 `logits` [R, V]; row r follows its own params and generator."""
+    return choose_tokens_drawn(
+        logits, temperature, top_k, top_p, draw_uniforms(temperature, generators)
+    )
+
+
+def choose_tokens_drawn(
+    logits: torch.Tensor,
+    temperature: Sequence[float],
+    top_k: Sequence[int],
+    top_p: Sequence[float],
+    draws: torch.Tensor,
+) -> torch.Tensor:
+    """`choose_tokens` with each sampling row's uniform already drawn (`draw_uniforms`)."""
     rows, vocab = logits.shape
     random_rows = [r for r in range(rows) if temperature[r] > 0]
     if len(random_rows) < rows:
@@ -127,10 +153,8 @@ def choose_tokens(
     scaled = subset.float() / temps.unsqueeze(1)
     scaled = _filter_top_p(_filter_top_k(scaled, ks), ps)
     probs = torch.softmax(scaled, dim=-1)
-    draws = torch.cat(
-        [torch.rand(1, generator=generators[r], dtype=torch.float64) for r in random_rows]
-    )
-    picked = _inverse_cdf(probs, draws.to(device)).clamp_(max=vocab - 1)
+    row_draws = draws if every_row else draws.index_select(0, torch.tensor(random_rows))
+    picked = _inverse_cdf(probs, row_draws.to(device)).clamp_(max=vocab - 1)
     if every_row:
         return picked
     chosen[idx] = picked

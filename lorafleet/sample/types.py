@@ -7,6 +7,7 @@ so the server only converts wire formats. A request that cannot run gets a `Samp
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -68,6 +69,16 @@ class SampleRequest:
     target_prompt_logprobs: torch.Tensor | None = None
     prompt_alt_tokens_k: int = 0  # draws per prompt position (see PromptAltTokens)
     on_token: TokenHook | None = None  # progress, optional (see TokenHook)
+    # Set by the caller when nobody wants the result any more (its client hung up): the
+    # sampler drops the request's rows at its next step and resolves it with a "cancelled"
+    # error that counts the tokens it had produced. Samplers whose batches run elsewhere may
+    # finish it instead.
+    cancel: threading.Event | None = None
+    # Whose prompt this is, for the prefix cache (prefix_cache.py): its blocks are found only by
+    # requests with the same salt, except within one of `public_prefixes` (token ids declared
+    # shareable, e.g. an operator's system prompt). "": shared with every unsalted request.
+    cache_salt: str = ""
+    public_prefixes: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -95,13 +106,19 @@ class SampleError:
     """Why a request did not run. `code` is stable for servers to map onto HTTP statuses."""
 
     # engine_unavailable: no verified rollout replica could run it now (retryable, a 503);
-    # out_of_memory: the device ran out of memory running it (the others went on)
+    # out_of_memory: the device ran out of memory running it (the others went on);
+    # non_finite_logits: its adapter version made NaN/inf logits (the others went on);
+    # internal_error: its own per-row work raised (the others went on), or the whole step did;
+    # cancelled: its caller set the request's `cancel` event
     code: Literal[
         "invalid_request",
         "unknown_version",
         "version_unavailable",
         "engine_unavailable",
         "out_of_memory",
+        "non_finite_logits",
+        "internal_error",
+        "cancelled",
     ]
     message: str
 
@@ -117,6 +134,14 @@ class SampleResult:
     target_prompt_logprobs: torch.Tensor | None = None
     prompt_alt_tokens: PromptAltTokens | None = None
     error: SampleError | None = None
+    # prompt tokens its first prefill read from the prefix cache instead of computing (the
+    # SDK's SampleResponse.prompt_cache_hit_tokens); 0 for engines that do not report it
+    prompt_cache_hit_tokens: int = 0
+    # The work done for it, whatever the outcome (metering charges failures and cancellations
+    # too): prompt tokens prefilled (once per request) and tokens drawn over all its samples.
+    # Samplers that cannot tell report 0 for a failed request.
+    prefill_tokens: int = 0
+    sampled_tokens: int = 0
 
     @property
     def ok(self) -> bool:

@@ -3,7 +3,10 @@
 Each request is checked on its own and either becomes a `PreparedRequest` or a `SampleError`,
 so a malformed request is answered with its own error while the rest of the batch runs as if it
 were not there. Limits are explicit errors, never silent clamps (a prompt that does not fit the
-context is rejected, not truncated).
+context is rejected, not truncated), with one exception, vLLM's: a positive temperature below
+`MIN_TEMPERATURE` is raised to it. Below it the float32 math of the shared sampling step
+divides logits into infinities (1e-45 is a float32 denormal, 1e-300 is 0.0), and the
+distribution at 0.01 is already greedy for any gap of a tenth of a logit or more.
 """
 
 from __future__ import annotations
@@ -25,6 +28,13 @@ MAX_PROMPT_SCORES = 1 << 22
 of `target_prompt_logprobs`, and `len(prompt) - 1` times `prompt_alt_tokens_k`. It bounds the
 response (a float32 and an int64 per cell) and the draws, as Tinker bounds a top-k width; the
 full-vocabulary log-softmax they read is bounded by the context length, as for prompt logprobs."""
+
+
+MIN_TEMPERATURE = 1e-2
+"""The lowest positive temperature sampled with (vLLM's `_MAX_TEMP` clamp); 0 is greedy."""
+
+MAX_SEED = 1 << 64
+"""Seeds are integers in (-MAX_SEED, MAX_SEED): 64-bit, signed or not."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +61,8 @@ class PreparedRequest:
     targets: torch.Tensor | None = None  # int64 [P - 1, K], -1 = unused
     targets_from: int = 0  # first row of `targets` that names an id (earlier rows: nothing)
     alt_k: int = 0
+    cache_salt: str = ""  # the prefix cache's owner of this prompt (SampleRequest.cache_salt)
+    public_prefixes: tuple[tuple[int, ...], ...] = ()
 
     @property
     def prompt_len(self) -> int:
@@ -217,12 +229,16 @@ def prepare_request(index: int, request: SampleRequest, limits: ModelLimits) -> 
     temperature = _float(params.temperature, "temperature")
     if temperature < 0:
         raise RequestError(f"temperature must be >= 0, got {temperature}")
+    if 0 < temperature < MIN_TEMPERATURE:
+        temperature = MIN_TEMPERATURE
     top_p = _float(params.top_p, "top_p")
     if not 0 < top_p <= 1:
         raise RequestError(f"top_p must be in (0, 1], got {top_p}")
     top_k = _int(params.top_k, "top_k", low=-1)
     top_k = 0 if top_k in (-1, 0) or top_k >= limits.vocab_size else top_k
     seed = None if params.seed is None else _int(params.seed, "seed")
+    if seed is not None and not -MAX_SEED < seed < MAX_SEED:
+        raise RequestError(f"seed must be a 64-bit integer, got one of {seed.bit_length()} bits")
     num_samples = _int(request.num_samples, "num_samples", low=1)
     if not _float(request.share_weight, "share_weight") > 0:
         raise RequestError(f"share_weight must be > 0, got {request.share_weight!r}")
@@ -264,7 +280,15 @@ def prepare_request(index: int, request: SampleRequest, limits: ModelLimits) -> 
         targets=targets,
         targets_from=targets_from,
         alt_k=alt_k,
+        cache_salt=_salt(request.cache_salt),
+        public_prefixes=request.public_prefixes,
     )
+
+
+def _salt(value: object) -> str:
+    if not isinstance(value, str):
+        raise RequestError(f"cache_salt must be a string, got {type(value).__name__}")
+    return value
 
 
 def prepare_all(

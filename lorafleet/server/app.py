@@ -1,11 +1,11 @@
-"""The FastAPI app for the Tinker API (SDK 0.38), assembled from the route groups in `routes/`
+"""The FastAPI app for the Tinker API (SDK 0.38), assembled from the route groups in `http/`
 (thin wrappers that read the caller and the body and call one part of `Service`). Every error
-leaves as JSON `{"error", "category"}` with a 4xx/5xx status (`routes/errors.py`).
+leaves as JSON `{"error", "category"}` with a 4xx/5xx status (`http/error_handlers.py`).
 
 The API key is checked by `KeyGate` before routing, so a caller without a valid key learns
 nothing: not which routes exist, not how a route validates its parameters, and it cannot make
 the server read a body. Only `GET /api/v1/healthz` (states only: the engine's liveness and the
-data disk, see health.py) is open, for liveness probes. Bodies are read under limits (`routes/bodies.py`).
+data disk, see ops/health.py) is open, for liveness probes. Bodies are read under limits (`http/bodies.py`).
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def create_app(service: Service) -> FastAPI:
     session_routes.add_routes(app, service.sessions, bodies)
     training_routes.add_routes(app, service.training, bodies)
     sampling_routes.add_routes(app, service.sampling, bodies)
-    retrieve.add_routes(app, service.retrieve, bodies)
+    retrieve.add_routes(app, service.retrieve, bodies, service.poll_lost)
     resource_routes.add_routes(app, service.rest, bodies)
     usage_routes.add_routes(app, service.usage)  # /api/v1/lorafleet/usage, and /metrics (operators)
     run_metric_routes.add_routes(app, service.run_metrics, bodies)  # a client's curves (console)

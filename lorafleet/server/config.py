@@ -9,8 +9,8 @@ from typing import Any
 
 from lorafleet.engines import EngineConfig
 from lorafleet.server.http import resource_json, schemas
-from lorafleet.server.http.served import RequestLimits
-from lorafleet.server.ops.scheduler import DEFAULT_ROUND_TOKENS
+from lorafleet.server.http.served import RequestLimits, prompt_bytes_cap
+from lorafleet.server.ops.scheduler import DEFAULT_ROUND_TOKENS, DEFAULT_SOLO_ROUND_TOKENS
 
 
 @dataclass
@@ -20,10 +20,16 @@ class ServerConfig:
     api_keys: list[str]
     host: str = "127.0.0.1"
     port: int = 8000
+    # the base URL signed links and redirects name (http/public_url.py), never the request's
+    # Host header; None: http://<host>:<port>
+    public_url: str | None = None
     engine: EngineConfig | None = None  # None: defaults for `base_model`
     # retrieve_future holds this long before try_again: the SDK's read timeout for it is 45 s
     # (tinker/lib/api_future_impl.py), and each early try_again costs the client a log line
     long_poll_s: float = 40.0
+    # a sample whose client hung up during a retrieve_future poll and did not poll again
+    # within this many seconds is cancelled (ops/abandoned.py): its rows are freed
+    abandon_grace_s: float = 5.0
     batch_window_s: float = 0.005  # lets requests that arrive together share a batch
     # a seq_id missing this long is skipped (scheduler._expire_gaps); the SDK numbers a call
     # before sending it, so a lost request would otherwise hold up its model for good
@@ -32,6 +38,11 @@ class ServerConfig:
     # transformers uses here, $HF_HUB_CACHE)
     tokenizer_cache: Path | None = None
     future_ttl_s: float = 24 * 3600.0
+    # stability records (record_stability_info samples, for stable_reinforce): each lasts this
+    # long after its last use (Tinker: a day, renewed by each training request naming it), and
+    # a tenant's records take at most this many bytes (past it: 403); ops/stability.py
+    stability_ttl_s: float = 24 * 3600.0
+    stability_quota_bytes: int = 256 << 20
     # no heartbeat for this long: the session's models are unloaded
     session_timeout_s: float = 900.0
     # how often maintenance runs (a thread, and on requests): stale sessions, old futures, and
@@ -47,6 +58,13 @@ class ServerConfig:
     # as Python objects until it is encoded, several times this (docs/reliability.md)
     max_response_bytes: int = 6 << 20
     max_topk_logprobs: int = 20  # topk_sample/topk_prompt_logprobs (see served.RequestLimits)
+    # the bytes of text one request may hand the tokenizer: an OpenAI prompt, a chat's messages
+    # together, the chat template's output; checked before the tokenizer runs. None:
+    # PROMPT_BYTES_PER_TOKEN per token of the base's context (at least MIN_PROMPT_BYTES)
+    max_prompt_bytes: int | None = None
+    # texts (system prompts) whose KV every tenant's prompts may share in the prefix cache;
+    # everything else is cached per tenant (sample/prefix_cache.py)
+    public_prefixes: list[str] = field(default_factory=list)
     torch_threads: int | None = None
     # finished results: in memory up to this many bytes in all (newest kept)...
     results_memory_bytes: int = 64 << 20
@@ -63,6 +81,11 @@ class ServerConfig:
     # tenants take turns by weighted deficit round-robin and a bigger call runs in chunks over
     # several rounds. Bounds how long another tenant's step waits behind a big call.
     round_token_budget: int = DEFAULT_ROUND_TOKENS
+    # ... and while one tenant is alone on the server (no other tenant's operation queued,
+    # running or finished for SOLO_AFTER_S), a round may run this many: the small budget only
+    # cost a lone tenant (its multi-turn calls lost their shared prefixes at every cut).
+    # 0: off (every round takes round_token_budget).
+    solo_round_token_budget: int = DEFAULT_SOLO_ROUND_TOKENS
     # the tenants file (tenants.py): keys as hashes, weights, operators, quotas; reloaded on
     # SIGHUP. Without one, `api_keys` are the tenants (weight 1, no quotas, no operator).
     tenants_file: Path | None = None
@@ -79,12 +102,20 @@ class ServerConfig:
     console_streams: int = 64
     console_streams_per_session: int = 4
     console_streams_per_tenant: int = 16  # one tenant's sessions together
+    # of `console_streams`, the last places kept for operators, and before them for tenants
+    # holding no stream yet (console/sse.py): filled per-tenant bounds lock nobody out
+    console_operator_streams: int = 4
+    console_newcomer_streams: int = 8
+    # the share of wall time (of one core) the console's snapshots may take, all streams
+    # together; more streams stretch each one's cadence instead
+    console_cpu_share: float = 0.1
     console_refresh_s: float = 1.0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def request_limits(config: ServerConfig) -> RequestLimits:
+def request_limits(config: ServerConfig, context_length: int | None = None) -> RequestLimits:
     return RequestLimits(
+        max_prompt_bytes=prompt_bytes_cap(config.max_prompt_bytes, context_length),
         max_num_samples=config.max_num_samples,
         max_response_bytes=config.max_response_bytes,
         max_topk_logprobs=config.max_topk_logprobs,

@@ -29,6 +29,7 @@ from lorafleet.server.console import Sources, build_console
 from lorafleet.server.engine.executor import Executor
 from lorafleet.server.http import schemas
 from lorafleet.server.http.aliases import Aliases
+from lorafleet.server.http.public_url import public_base_url
 from lorafleet.server.http.resources import Rest
 from lorafleet.server.http.sampling import Sampling
 from lorafleet.server.http.served import RequestLimits, ServedBase
@@ -40,6 +41,7 @@ from lorafleet.server.openai.models import Models
 from lorafleet.server.openai.service import Completions
 from lorafleet.server.openai.text import Text
 from lorafleet.server.ops import health
+from lorafleet.server.ops.abandoned import AbandonedSamples
 from lorafleet.server.ops.admission import Admission
 from lorafleet.server.ops.engine_calls import EngineCalls
 from lorafleet.server.ops.futures import JSON, FutureTable, Result
@@ -48,6 +50,7 @@ from lorafleet.server.ops.metering import Metering
 from lorafleet.server.ops.quotas import Quotas
 from lorafleet.server.ops.run_metrics import RunMetrics
 from lorafleet.server.ops.scheduler import Scheduler
+from lorafleet.server.ops.stability import StabilityPolicy
 from lorafleet.server.ops.types import Job, Stage
 from lorafleet.server.state import recovery
 from lorafleet.server.state.disk import DiskGuard
@@ -90,6 +93,17 @@ def build_executor(
         has_work=has_work,
         share_weight=share_weight,
         max_resident=max_resident,
+    )
+
+
+def public_prefix_tokens(text: Text, prefixes: list[str]) -> tuple[tuple[int, ...], ...]:
+    """The operator's public prefixes as the token ids prompts start with (no special tokens
+    added: a chat template's own markers are part of the declared text when they should be)."""
+    if not prefixes:
+        return ()
+    tokenizer = text.tokenizer()
+    return tuple(
+        tuple(int(t) for t in tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prefixes
     )
 
 
@@ -199,6 +213,7 @@ class Service:
             disk_guard=self.disk,
             stall_s=config.engine_stall_s,
             round_token_budget=config.round_token_budget,
+            solo_round_token_budget=config.solo_round_token_budget,
             max_round_models=engine_config.max_adapters,
             weight_of=self.tenancy.weight_of,
             on_work=self._on_work,
@@ -226,7 +241,11 @@ class Service:
     def _build_handlers(self) -> None:
         """The parts the routes call; none of them starts a thread or holds a resource."""
         config = self.config
-        self.served = served_base(self.executor, request_limits(config), config.tokenizer_cache)
+        self.served = served_base(
+            self.executor,
+            request_limits(config, self.executor.context_length),
+            config.tokenizer_cache,
+        )
         self.started_at = time.time()
         engine = EngineCalls(self.scheduler, self.executor)
         ownership = Ownership(self.store)
@@ -243,24 +262,46 @@ class Service:
             quotas=self.quotas,
         )
         signer = UrlSigner(load_or_create_secret(self.data_dir))  # download links (signed_urls.py)
-        self.sessions = Sessions(self.store, ownership, engine, signer)
+        # what links and redirects name: the configured address, never a request's Host
+        public_url = public_base_url(config.public_url, config.host, config.port)
+        self.sessions = Sessions(self.store, ownership, engine, signer, public_url)
+        stability_policy = StabilityPolicy(config.stability_ttl_s, config.stability_quota_bytes)
         self.training = Training(
-            ownership, self.intake, self.served, max_body_bytes=config.max_body_bytes
+            ownership,
+            self.intake,
+            self.served,
+            max_body_bytes=config.max_body_bytes,
+            stability_policy=stability_policy,
         )
-        self.sampling = Sampling(self.store, ownership, self.intake, self.served)
+        self.abandoned = AbandonedSamples(self.futures, config.abandon_grace_s)
+        self._closing.callback(self.abandoned.close)
+        self.sampling = Sampling(
+            self.store, ownership, self.intake, self.served, stability_policy, self.abandoned
+        )
         # the OpenAI-compatible routes: the same intake and sampler, model names via aliases
         self.aliases = Aliases(self.store, ownership, self.served)
+        text = Text(self.served.base_path)
+        self.executor.sample_batches.public_prefixes = public_prefix_tokens(
+            text, config.public_prefixes
+        )
         self.completions = Completions(
             self.intake,
             self.futures,
             Models(self.store, ownership, self.served, self.aliases),
             self.served,
-            Text(self.served.base_path),
+            text,
             config.long_poll_s,
             self.executor.sampler.features,
         )
         self.rest = Rest(
-            self.store, ownership, engine, self.served, signer, self.data_dir, self.quotas
+            self.store,
+            ownership,
+            engine,
+            self.served,
+            signer,
+            self.data_dir,
+            self.quotas,
+            public_url=public_url,
         )
         self.usage = Usage(
             self.store,
@@ -291,6 +332,9 @@ class Service:
             streams=config.console_streams,
             streams_per_session=config.console_streams_per_session,
             streams_per_tenant=config.console_streams_per_tenant,
+            operator_streams=config.console_operator_streams,
+            newcomer_streams=config.console_newcomer_streams,
+            cpu_share=config.console_cpu_share,
             refresh_s=config.console_refresh_s,
         )
         self._engine = engine
@@ -336,8 +380,8 @@ class Service:
 
     def maintain(self) -> None:
         """Drops old future results, unloads the models of clients that stopped heartbeating
-        (a crashed client never calls finish, and its adapter slots would stay taken) and
-        deletes checkpoints past their TTL."""
+        (a crashed client never calls finish, and its adapter slots would stay taken), deletes
+        stability records unused for their TTL and checkpoints past theirs."""
         now = time.time()
         self.store.futures.prune(now - self.config.future_ttl_s)
         self.futures.prune_stored()
@@ -345,6 +389,7 @@ class Service:
         self.sessions.expire_stale(
             now - self.config.session_timeout_s, self.config.session_timeout_s
         )
+        self.store.stability_records.delete_unused_since(now - self.config.stability_ttl_s)
         self._delete_expired(now)
 
     def _delete_expired(self, now: float) -> None:
@@ -434,7 +479,17 @@ class Service:
 
     async def retrieve(self, tenant: Tenant, body: Any) -> Result | None:
         req = schemas.parse(schemas.RetrieveFuture, body)
-        return await self.futures.wait(req.request_id, tenant.id, self.config.long_poll_s)
+        self.abandoned.poll_began(req.request_id, tenant.id)
+        try:
+            return await self.futures.wait(req.request_id, tenant.id, self.config.long_poll_s)
+        finally:
+            self.abandoned.poll_ended(req.request_id, tenant.id)
+
+    def poll_lost(self, tenant: Tenant, body: Any) -> None:
+        """The client hung up during a `retrieve_future` poll: a sample nobody polls again
+        within `abandon_grace_s` is cancelled (ops/abandoned.py)."""
+        if isinstance(body, dict) and isinstance(body.get("request_id"), str):
+            self.abandoned.poll_lost(body["request_id"], tenant.id)
 
     def health(self) -> tuple[int, dict[str, str]]:
         """What /healthz answers (unauthenticated, so nothing but states): see health.py."""

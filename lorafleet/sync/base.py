@@ -201,6 +201,9 @@ class RolloutRequest:
     adapter: Target
     params: RolloutParams = field(default_factory=RolloutParams)
     prompt_logprobs: bool = False
+    # whose prompt it is: engines with a prefix cache keep it to requests of the same salt
+    # (vLLM's `cache_salt`); "" shares it with every unsalted request
+    cache_salt: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.adapter, AdapterVersion | BaseModel):

@@ -66,6 +66,7 @@ def to_rollouts(prepared: PreparedRequest, version: AdapterVersion | None) -> li
                 stop_token_ids=stop,
             ),
             prompt_logprobs=prepared.prompt_logprobs and sample == 0,
+            cache_salt=prepared.cache_salt,
         )
         for sample in range(prepared.num_samples)
     ]

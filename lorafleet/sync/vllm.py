@@ -69,6 +69,8 @@ class VllmEngine(HttpEngine):
             body["ignore_eos"] = True  # our semantics: an explicit list replaces EOS
         if request.prompt_logprobs:
             body["prompt_logprobs"] = 0
+        if request.cache_salt:  # its prefix cache keeps a tenant's prompts to that tenant
+            body["cache_salt"] = request.cache_salt
         reply = self.client.post("/v1/completions", body)
         return self._parse(request, plan, model, reply)
 

@@ -32,7 +32,10 @@ __all__ = [
     "LOSS_INPUT_KEYS",
     "LOSS_NAMES",
     "REFUSED_LOSSES",
+    "SAMPLED_SEQUENCE",
     "SEQUENCE_RATIO_MASK",
+    "STABLE_REINFORCE",
+    "STABLE_REINFORCE_DEFAULTS",
     "TARGETS",
     "LossInputError",
     "LossSpec",
@@ -48,22 +51,34 @@ LOSS_NAMES: tuple[str, ...] = (
     "cispo",
     "dro",
     "gspo",
+    "stable_reinforce",
 )
 
 TARGETS = "target_tokens"
 CLIP_LOW = "clip_low_threshold"
 CLIP_HIGH = "clip_high_threshold"
 SEQUENCE_RATIO_MASK = "sequence_ratio_mask"
+STABLE_REINFORCE = "stable_reinforce"
+SAMPLED_SEQUENCE = "sampled_sequence"
+"""stable_reinforce's per-token segment ids: 0 where the target is not a recorded sampled
+token, k >= 1 for the tokens of the datum's k-th sampled run (one sequence's tokens). A server
+sets it from the provenance spans (server/ops/stability.py); library callers pass it."""
+STABLE_REINFORCE_DEFAULTS = MappingProxyType(
+    {
+        "token_clip": 2.0,
+        "token_mask_low": 1e-3,
+        "token_mask_high": 1e3,
+        "seq_mask_low": 0.05,
+        "seq_mask_high": 20.0,
+        "kl_coeff": 0.0,
+    }
+)
+"""stable_reinforce's loss_fn_config keys and defaults (docs/losses.md says why each)."""
 _RL_REQUIRED = (TARGETS, "logprobs", "advantages")
 _CLIP_DEFAULTS = MappingProxyType({CLIP_LOW: 0.8, CLIP_HIGH: 1.2})
 
 REFUSED_LOSSES: Mapping[str, str] = MappingProxyType(
     {
-        "stable_reinforce": (
-            "it needs sampling-time stability records (record_stability_info) and an objective "
-            "that neither SDK 0.38 nor Tinker's docs define, so this server cannot compute it; "
-            "use importance_sampling, ppo, cispo or gspo"
-        ),
         "custom": (
             "server-side custom losses need a graph uploaded with create_custom_loss, which this "
             "server does not offer; run the loss on the client with forward_backward_custom "
@@ -92,6 +107,7 @@ _SCHEMAS: Mapping[str, _Schema] = MappingProxyType(
         "gspo": _Schema(
             (*_RL_REQUIRED, SEQUENCE_RATIO_MASK), (CLIP_LOW, CLIP_HIGH), _CLIP_DEFAULTS
         ),
+        STABLE_REINFORCE: _Schema((*_RL_REQUIRED, SAMPLED_SEQUENCE), (), STABLE_REINFORCE_DEFAULTS),
     }
 )
 
@@ -319,6 +335,8 @@ def validate_loss(
             f"loss_fn_inputs[{SEQUENCE_RATIO_MASK!r}] marks no token (all zero); loss {name!r} "
             "averages the log-ratio over the marked tokens, so at least one must be nonzero"
         )
+    if name == STABLE_REINFORCE:
+        _check_segments(checked, fail)
     if device is not None:
         checked = {key: t.to(device) for key, t in checked.items()}
     return LossSpec(name=name, inputs=checked, config=resolved)
@@ -382,7 +400,41 @@ def _resolve_config(
         resolved[key] = _config_number(key, value, fail)
     if "beta" in resolved and resolved["beta"] < 0:
         raise fail(f"loss_fn_config['beta'] must be >= 0, got {resolved['beta']!r}")
+    if name == STABLE_REINFORCE:
+        _check_stable_config(resolved, fail)
     return resolved
+
+
+def _check_stable_config(config: Mapping[str, float], fail: _Fail) -> None:
+    """The ranges that keep stable_reinforce's weights bounded and its guards meaningful:
+    every threshold is a ratio, and a guard must keep on-policy tokens (ratio 1)."""
+    if not config["token_clip"] > 0:
+        raise fail(f"loss_fn_config['token_clip'] must be > 0, got {config['token_clip']!r}")
+    if config["kl_coeff"] < 0:
+        raise fail(f"loss_fn_config['kl_coeff'] must be >= 0, got {config['kl_coeff']!r}")
+    for low, high in (("token_mask_low", "token_mask_high"), ("seq_mask_low", "seq_mask_high")):
+        if not 0 <= config[low] <= 1 <= config[high]:
+            raise fail(
+                f"loss_fn_config[{low!r}] = {config[low]!r} and loss_fn_config[{high!r}] = "
+                f"{config[high]!r} must satisfy 0 <= {low} <= 1 <= {high} (a ratio of 1, an "
+                "on-policy token, must pass)"
+            )
+
+
+def _check_segments(inputs: Mapping[str, torch.Tensor], fail: _Fail) -> None:
+    segment = inputs[SAMPLED_SEQUENCE]
+    bad = (segment < 0) | (segment != segment.round())
+    if bool(bad.any()):
+        index = _first(bad)
+        raise fail(
+            f"loss_fn_inputs[{SAMPLED_SEQUENCE!r}] has {_describe(float(segment[tuple(index)]))} "
+            f"at {_position(index)}; it holds 0 (not a sampled token) or a sequence number >= 1"
+        )
+    if not bool((segment > 0).any()):
+        raise fail(
+            f"loss_fn_inputs[{SAMPLED_SEQUENCE!r}] marks no sampled token; stable_reinforce "
+            "trains only recorded sampled tokens"
+        )
 
 
 def loss_targets(spec: LossSpec) -> torch.Tensor:

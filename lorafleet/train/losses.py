@@ -20,8 +20,13 @@ advantages).
 | gspo                | min(s_t * A, clip(s_t, lo, hi) * A),                 |
 |                     |   s_t = exp(sg(S) + logp - sg(logp)),                |
 |                     |   S = mean of (logp - logq) over sequence_ratio_mask |
+| stable_reinforce    | m * sg(min(r, C)) * A * logp - k/2 * s * (logp - logq)^2 |
+|                     |   s = 1 on recorded sampled tokens (sampled_sequence > 0), |
+|                     |   t = s * [lo_t <= r <= hi_t],  m = t * [lo_s <= exp(S_seq) <= hi_s], |
+|                     |   S_seq = mean of (logp - logq) over the sequence's t tokens |
 
-``logq`` is the sampler's log-prob (input key ``logprobs``), ``A`` the advantage, ``lo``/``hi``
+``logq`` is the sampler's log-prob (input key ``logprobs``; for stable_reinforce the server's
+record of it, never the client's), ``A`` the advantage, ``lo``/``hi``
 the clip thresholds on the ratio and ``beta`` the DRO penalty (defaults in loss_inputs.py).
 gspo is Tinker's GSPO-token: every token carries the value of the sequence's ratio
 ``exp(S)`` (a geometric mean of token ratios) but the gradient of its own log-prob, so clipping
@@ -48,7 +53,9 @@ import torch
 from lorafleet.train.loss_inputs import (
     CLIP_HIGH,
     CLIP_LOW,
+    SAMPLED_SEQUENCE,
     SEQUENCE_RATIO_MASK,
+    STABLE_REINFORCE,
     TARGETS,
     LossSpec,
     format_shape,
@@ -71,6 +78,11 @@ def gradient_mask(spec: LossSpec) -> torch.Tensor:
     """
     if spec.name == "cross_entropy":
         return spec.inputs["weights"] != 0
+    if spec.name == STABLE_REINFORCE:
+        sampled = spec.inputs[SAMPLED_SEQUENCE] > 0
+        if spec.config["kl_coeff"] > 0:
+            return sampled
+        return sampled & (spec.inputs["advantages"] != 0)
     wanted = spec.inputs["advantages"] != 0
     if spec.name == "dro" and spec.config["beta"] > 0:
         wanted = torch.ones_like(wanted)
@@ -183,6 +195,56 @@ def _dro(spec: LossSpec, logp: torch.Tensor) -> tuple[torch.Tensor, _Metrics]:
     return objective, _rl_metrics(log_ratio, adv != 0)
 
 
+def _stable_reinforce(spec: LossSpec, logp: torch.Tensor) -> tuple[torch.Tensor, _Metrics]:
+    """REINFORCE on recorded sampled tokens with a truncated, masked importance weight and a
+    sequence-level guard (docs/losses.md: the formula, why each part, the papers).
+
+    The weight ``sg(min(r, C))`` is a constant per token, so each token's gradient is
+    ``w * A * grad(logp)`` with ``0 <= w <= C``: bounded whatever the mismatch between the
+    sampler and the trainer. Tokens whose ratio leaves ``[token_mask_low, token_mask_high]``
+    and whole sequences whose geometric-mean ratio leaves ``[seq_mask_low, seq_mask_high]``
+    get weight 0 (and no penalty): their samples came from a policy too far from this one for
+    their advantage to say anything about it.
+    """
+    cfg = spec.config
+    adv = spec.inputs["advantages"]
+    segment = spec.inputs[SAMPLED_SEQUENCE]
+    sampled = segment > 0
+    log_ratio = logp - spec.inputs["logprobs"]
+    log_ratio_sg = torch.where(sampled, log_ratio.detach(), 0.0)
+    ratio_sg = torch.exp(log_ratio_sg)
+    token_ok = sampled & (ratio_sg >= cfg["token_mask_low"]) & (ratio_sg <= cfg["token_mask_high"])
+    # The sequence guard: each sampled run's mean log-ratio over the tokens the token mask kept
+    # (one outlier token, masked already, does not drop its sequence), spread back over them.
+    ids = segment.to(torch.int64)
+    runs = int(ids.max()) + 1
+    zeros = torch.zeros(runs, dtype=torch.float32, device=logp.device)
+    sums = zeros.index_add(0, ids, torch.where(token_ok, log_ratio_sg, 0.0))
+    kept = zeros.index_add(0, ids, token_ok.to(torch.float32))
+    counts = zeros.index_add(0, ids, sampled.to(torch.float32))
+    seq_log_ratio = sums / kept.clamp(min=1.0)
+    seq_ok_run = (
+        (kept > 0)
+        & (seq_log_ratio >= math.log(max(cfg["seq_mask_low"], 1e-30)))
+        & (seq_log_ratio <= math.log(cfg["seq_mask_high"]))
+    )
+    keep = token_ok & seq_ok_run[ids]
+    weight = torch.where(keep, torch.clamp(ratio_sg, max=cfg["token_clip"]), 0.0)
+    objective = weight * adv * logp
+    if cfg["kl_coeff"] > 0:
+        objective = objective - 0.5 * cfg["kl_coeff"] * torch.where(keep, log_ratio, 0.0).square()
+    active = sampled & (adv != 0)
+    metrics = _rl_metrics(log_ratio, active)
+    present = counts[1:] > 0
+    metrics["clipped_tokens:sum"] = (
+        (keep & active & (ratio_sg > cfg["token_clip"])).sum().to(torch.float32)
+    )
+    metrics["masked_tokens:sum"] = (active & ~keep).sum().to(torch.float32)
+    metrics["sequences:sum"] = present.sum().to(torch.float32)
+    metrics["masked_sequences:sum"] = (present & ~seq_ok_run[1:]).sum().to(torch.float32)
+    return objective, metrics
+
+
 _LOSS_FNS = {
     "cross_entropy": _cross_entropy,
     "importance_sampling": _importance_sampling,
@@ -190,6 +252,7 @@ _LOSS_FNS = {
     "cispo": _cispo,
     "dro": _dro,
     "gspo": _gspo,
+    STABLE_REINFORCE: _stable_reinforce,
 }
 
 
@@ -211,9 +274,12 @@ def compute_loss(
       minus the usual k1 estimate of KL(q || p).  Logs rather than ratios,
       because a ratio can overflow to inf and inf is not valid JSON.  The
       min/max keys are omitted when the datum has no such token.
-    - ``clipped_tokens:sum`` (ppo, cispo, gspo): for ppo and gspo, tokens on the clipped
-      branch, which get zero gradient; for cispo, tokens whose ratio weight
-      was clipped.  Divide by ``active_tokens:sum`` for a clip fraction.
+    - ``clipped_tokens:sum`` (ppo, cispo, gspo, stable_reinforce): for ppo and gspo, tokens
+      on the clipped branch, which get zero gradient; for cispo and stable_reinforce, tokens
+      whose ratio weight was truncated.  Divide by ``active_tokens:sum`` for a clip fraction.
+    - ``masked_tokens:sum``, ``sequences:sum``, ``masked_sequences:sum`` (stable_reinforce):
+      active tokens given weight 0 by either guard; sampled sequences (runs) in the datum and
+      how many the sequence guard dropped.
 
     No ``:mean`` metric is returned, because per-datum means cannot be merged
     without each datum's token count.

@@ -455,3 +455,35 @@ def test_progress_line_keeps_the_training_figures_beside_the_latest_evaluation()
     ]
     assert _stats(rows) == "reward 0.375  tag 0.25  loss +0.0100  eval 0.750 (step 2)"
     assert _stats(rows[:2]) == "reward 0.375  tag 0.25  loss +0.0100  eval 0.500 (step 0)"
+
+
+def test_off_policy_runs_ahead_within_k_with_stable_reinforce(tmp_path, capsys):
+    """--max-steps-off-policy 2: sampling runs ahead of training by at most 2 versions, every
+    step trains with stable_reinforce on server-recorded samples (provenance checked: a refused
+    datum would fail the step), and the summary reports the staleness."""
+    results = run_rl(config(tmp_path, tenants("a"), steps=5, max_steps_off_policy=2))
+    rows = trained(results["a"].metrics)
+    assert results["a"].error is None and [r["step"] for r in rows] == list(range(5))
+    assert {r["loss_fn"] for r in rows} == {"stable_reinforce"}
+    stale = [r["staleness"] for r in rows]
+    assert all(0 <= s <= 2 for s in stale) and stale[0] == 0
+    assert any(r["trained_rows"] > 0 for r in rows)
+    summary = json.loads((tmp_path / "summary.json").read_text())["tenants"]["a"]
+    assert summary["staleness_max"] == max(stale)
+    assert "up to 2 steps off-policy" in capsys.readouterr().out
+    # held-out evaluations ride with the rollouts: they name the weights they measured
+    evaluated = [r for r in rows if "eval_accuracy" in r]
+    assert [r["step"] for r in evaluated] == [0, 2, 4]
+    assert all(r["step"] - 2 <= r["eval_version"] <= r["step"] for r in evaluated)
+
+
+def test_sync_runs_keep_importance_sampling_and_zero_staleness(tmp_path):
+    results = run_rl(config(tmp_path, tenants("a"), steps=2))
+    assert {(r["loss_fn"], r["staleness"]) for r in trained(results["a"].metrics)} == {
+        ("importance_sampling", 0)
+    }
+
+
+def test_negative_off_policy_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="--max-steps-off-policy must be >= 0"):
+        run_rl(config(tmp_path, tenants("a"), steps=1, max_steps_off_policy=-1))

@@ -63,7 +63,10 @@ def test_a_failed_step_shows_as_the_replicas_error_until_a_step_succeeds(monkeyp
     (future,) = engine.submit([SampleRequest(PROMPT, PARAMS)])
     with pytest.raises(RuntimeError, match="out of memory"):
         engine.step()
-    assert isinstance(future.exception(timeout=1), RuntimeError)
+    # its request fails with the step's error, and with the work it did (for metering)
+    failed = future.result(timeout=1)
+    assert failed.error is not None and failed.error.code == "internal_error"
+    assert "RuntimeError: out of memory" in failed.error.message and failed.sampled_tokens == 0
     (replica,) = engine.rollout_stats().replicas
     assert replica.error == "step 1 failed: RuntimeError: out of memory"
     # its own requests failed; the engine still serves, so it stays in rotation

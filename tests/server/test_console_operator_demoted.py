@@ -11,7 +11,7 @@ from typing import Any, cast
 
 from starlette.requests import Request
 
-from lorafleet.server.console.routes import _snapshot
+from lorafleet.server.console.routes import SharedRunViews, _snapshot
 from lorafleet.server.console.sessions import ConsoleSessions
 from lorafleet.server.console.sse import EventStreams
 from lorafleet.server.console.views import ConsoleViews
@@ -32,7 +32,7 @@ def test_a_demoted_operator_stream_ends_with_a_403():
     views = ConsoleViews(cast(Any, SimpleNamespace(stats=dict, usage=usage, tenancy=tenancy)))
     session, _ = sessions.sign_in(KEY)
     request = Request({"type": "http", "query_string": b"view=operator", "headers": []})
-    snapshot = _snapshot(views, lambda: sessions.get(session.id)[1], request)
+    snapshot = _snapshot(views, lambda: sessions.get(session.id)[1], request, SharedRunViews())
     streams = EventStreams(sessions, interval_s=0.01)
 
     async def scenario() -> list[bytes]:

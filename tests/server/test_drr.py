@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -349,3 +350,169 @@ def test_a_multi_turn_call_runs_in_one_round_when_counted_after_sharing():
     train_rounds = [batch for kind, batch in executor.calls if kind == "train"]
     assert train_rounds == [[("m", 0, 10)]]
     assert worked == [sum(sizes)]
+
+
+# ---------------------------------------------------------------------- a tenant alone
+
+
+def _train_rounds(executor: _ChunkExecutor) -> list[list[tuple[str | None, int, int]]]:
+    return [batch for kind, batch in executor.calls if kind == "train"]
+
+
+def test_a_lone_tenants_big_call_runs_in_one_solo_round():
+    """Alone, a call far over the round budget runs whole (its turns keep sharing their
+    history); the round budget bounds only other tenants' wait."""
+    executor, futures = _ChunkExecutor(), _Futures()
+    scheduler = _scheduler(
+        futures, round_token_budget=100, solo_round_token_budget=1000, solo_after_s=0.0
+    )
+    scheduler.register_model("big")
+    scheduler.pause()
+    scheduler.start(lambda: executor)
+    try:
+        scheduler.submit(_fb("B1", "lone", "big", 1, [10] * 40))
+        scheduler.submit(job("B2", "optim_step", "lone", model_id="big", seq_id=2))
+        scheduler.resume()
+        futures.wait("B1", "B2")
+    finally:
+        scheduler.stop()
+    assert _train_rounds(executor) == [[("big", 0, 40)]]
+    assert scheduler.stats.solo_rounds == 1 and scheduler.stats.split_ops == 0
+    assert scheduler.state()["solo_round_token_budget"] == 1000
+
+
+def test_a_solo_round_still_ends_at_its_own_budget():
+    executor, futures = _ChunkExecutor(), _Futures()
+    scheduler = _scheduler(
+        futures, round_token_budget=100, solo_round_token_budget=250, solo_after_s=0.0
+    )
+    scheduler.register_model("big")
+    scheduler.pause()
+    scheduler.start(lambda: executor)
+    try:
+        scheduler.submit(_fb("B1", "lone", "big", 1, [10] * 60))
+        scheduler.resume()
+        futures.wait("B1")
+    finally:
+        scheduler.stop()
+    rounds = _train_rounds(executor)
+    assert [sum(stop - start for _, start, stop in batch) for batch in rounds] == [25, 25, 10]
+    assert json.loads(futures.done["B1"].body)["ranges"] == [[0, 25], [25, 50], [50, 60]]
+
+
+def test_another_tenants_queued_work_keeps_the_round_budget():
+    executor, futures = _ChunkExecutor(), _Futures()
+    scheduler = _scheduler(
+        futures, round_token_budget=100, solo_round_token_budget=1000, solo_after_s=0.0
+    )
+    for model in ("big", "small"):
+        scheduler.register_model(model)
+    scheduler.pause()
+    scheduler.start(lambda: executor)
+    try:
+        scheduler.submit(_fb("B1", "flooder", "big", 1, [10] * 40))
+        scheduler.submit(_fb("S1", "small", "small", 1, [10]))
+        scheduler.resume()
+        futures.wait("B1", "S1")
+    finally:
+        scheduler.stop()
+    rounds = _train_rounds(executor)
+    # while the small tenant waited, rounds kept to 100 tokens; once it was served (and
+    # solo_after_s is 0) the flooder, alone, ran the rest of its call in one round
+    assert ("small", 0, 1) in rounds[0]
+    assert sum((stop - start) * 10 for _, start, stop in rounds[0]) <= 100
+    assert rounds[1] == [("big", rounds[0][0][2], 40)]
+
+
+def test_a_tenant_seen_recently_keeps_the_round_budget():
+    """A neighbour stepping in a loop has nothing queued between two steps: having been seen
+    within solo_after_s keeps the rounds small, so a lone round never lands between its steps."""
+    executor, futures = _ChunkExecutor(), _Futures()
+    scheduler = _scheduler(
+        futures, round_token_budget=100, solo_round_token_budget=1000, solo_after_s=3600.0
+    )
+    for model in ("big", "small"):
+        scheduler.register_model(model)
+    scheduler.start(lambda: executor)
+    try:
+        scheduler.submit(_fb("S1", "small", "small", 1, [10]))
+        futures.wait("S1")  # the neighbour's step is done: nothing of it is queued
+        solo = scheduler.stats.solo_rounds  # its own round was a lone one
+        scheduler.submit(_fb("B1", "flooder", "big", 1, [10] * 40))
+        futures.wait("B1")
+    finally:
+        scheduler.stop()
+    big_rounds = [b for b in _train_rounds(executor) if b and b[0][0] == "big"]
+    assert len(big_rounds) == 4 and scheduler.stats.solo_rounds == solo
+
+
+def test_a_bad_solo_budget_is_refused_and_zero_turns_it_off():
+    with pytest.raises(ValueError, match="solo_round_token_budget"):
+        _scheduler(_Futures(), round_token_budget=100, solo_round_token_budget=-1)
+    with pytest.raises(ValueError, match="solo_after_s"):
+        _scheduler(_Futures(), round_token_budget=100, solo_after_s=float("nan"))
+    off = _scheduler(_Futures(), round_token_budget=100, solo_round_token_budget=0)
+    assert off.solo_round_token_budget == 100  # never below the round budget
+
+
+def test_the_cli_default_solo_budget_is_the_configs():
+    from lorafleet.cli import build_parser
+    from lorafleet.server.config import ServerConfig
+    from lorafleet.server.ops.scheduler import DEFAULT_SOLO_ROUND_TOKENS
+
+    args = ["serve", "--base-model", "tiny-qwen3", "--data-dir", "unused"]
+    parser = build_parser()
+    assert parser.parse_args(args).solo_round_token_budget == DEFAULT_SOLO_ROUND_TOKENS
+    assert (
+        ServerConfig("tiny-qwen3", Path("unused"), []).solo_round_token_budget
+        == DEFAULT_SOLO_ROUND_TOKENS
+    )
+    assert parser.parse_args([*args, "--solo-round-token-budget", "0"]).solo_round_token_budget == 0
+    with pytest.raises(SystemExit):
+        parser.parse_args([*args, "--solo-round-token-budget", "-5"])
+
+
+class _SamplingExecutor(_ChunkExecutor):
+    """A sample that stays in the sampler's batch until the first training batch has run."""
+
+    def __init__(self):
+        super().__init__()
+        from concurrent.futures import Future
+
+        self.sample: Future = Future()
+
+    def start_sample(self, ops):
+        from lorafleet.server.ops.scheduler import PendingSample
+
+        return [PendingSample(self.sample, lambda result: Result.json({})) for _ in ops]
+
+    def run_train(self, chunks):
+        out = super().run_train(chunks)
+        if not self.sample.done():
+            self.sample.set_result(None)
+        return out
+
+    def step_sampler(self):
+        return True
+
+
+def test_a_neighbour_sampling_keeps_the_round_budget():
+    executor, futures = _SamplingExecutor(), _Futures()
+    scheduler = _scheduler(
+        futures, round_token_budget=100, solo_round_token_budget=1000, solo_after_s=0.0
+    )
+    scheduler.register_model("big")
+    scheduler.start(lambda: executor)
+    try:
+        scheduler.submit(job("S", "sample", "sampler"))
+        deadline = time.monotonic() + 10
+        while not scheduler._sampling:  # until the sample is in the sampler's batch
+            assert time.monotonic() < deadline, "the sample never reached the sampler"
+            time.sleep(0.01)
+        scheduler.submit(_fb("B1", "lone", "big", 1, [10] * 40))
+        futures.wait("B1", "S")
+    finally:
+        scheduler.stop()
+    rounds = _train_rounds(executor)
+    assert rounds[0] == [("big", 0, 10)]  # the sampling neighbour was present: 100 tokens
+    assert rounds[1] == [("big", 10, 40)]  # its sample done (solo_after_s 0): one lone round

@@ -100,11 +100,12 @@ def test_plain_export_urls_and_signed_links(server, client_a, base_model):
     # a correctly signed link that has expired
     signer = server.service.rest.signer
     tenant = server.service.store.checkpoints.get(path).tenant
-    resource = f"{path}/adapter_model.safetensors"
+    version = parse_qs(urlsplit(url).query)["version"][0]  # the save the link is bound to
+    resource = f"{path}/adapter_model.safetensors@{version}"
     old = signer.sign(tenant, resource, now=time.time() - 2 * signer.ttl_s)
     assert _status(_with_query(url, **old.query)) == 403
     # a valid signature for a name that is not one of the export's files serves nothing
-    outside = signer.sign(tenant, f"{path}/lorafleet.db")
+    outside = signer.sign(tenant, f"{path}/lorafleet.db@{version}")
     target = url.replace("adapter_model.safetensors", "lorafleet.db")
     assert _status(_with_query(target, **outside.query)) == 404
 
@@ -180,8 +181,9 @@ def test_cookbook_download_of_a_training_checkpoint_loads_in_peft(
 def test_cookbook_sampler_path_download_is_the_clients_limit(
     server, client_a, base_model, monkeypatch
 ):
-    """cookbook 0.5.8 downloads sampler_weights/ through `get_checkpoint_archive_url...`, which SDK
-    0.38 no longer has: it fails on the client before any request. A sampler checkpoint's
+    """The cookbook refuses to download sampler_weights/ on the client, before any request
+    (0.6.1: "Sampler checkpoints cannot be downloaded"; 0.5.8 went through
+    `get_checkpoint_archive_url...`, which SDK 0.38 no longer has). A sampler checkpoint's
     weights download as an export of a run resumed from the matching training state."""
     weights = pytest.importorskip("tinker_cookbook.weights")
     from tinker_cookbook.exceptions import WeightsDownloadError
@@ -190,7 +192,8 @@ def test_cookbook_sampler_path_download_is_the_clients_limit(
     monkeypatch.setenv("TINKER_API_KEY", KEY_A)
     tc = trained(client_a, base_model, seed=6)
     sampler = tc.save_weights_for_sampler("s").result().path
-    with pytest.raises(WeightsDownloadError, match="Failed to get download URL"):
+    refused = "Sampler checkpoints cannot be downloaded|Failed to get download URL"
+    with pytest.raises(WeightsDownloadError, match=refused):
         weights.download(
             tinker_path=sampler, output_dir="/nonexistent/never-written", base_url=server.base_url
         )

@@ -36,8 +36,12 @@ ADAM = types.AdamParams(learning_rate=1e-3)
 
 @pytest.fixture(scope="module")
 def split_server(tmp_path_factory) -> Iterator[ServerThread]:
-    srv = ServerThread(
-        server_config(tmp_path_factory.mktemp("fair-share-data"), round_token_budget=BUDGET)
+    srv = ServerThread(  # small rounds, for a tenant alone too (no solo rounds)
+        server_config(
+            tmp_path_factory.mktemp("fair-share-data"),
+            round_token_budget=BUDGET,
+            solo_round_token_budget=0,
+        )
     )
     yield srv
     srv.stop()

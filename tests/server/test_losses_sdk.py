@@ -1,5 +1,5 @@
 """SDK 0.38's losses and optimizers through the real `tinker` client: cross_entropy without
-weights, gspo, the refused stable_reinforce and server-side custom, forward_backward_custom on
+weights, gspo, the refused server-side custom, forward_backward_custom on
 weightless data, and the dimuon optimizer (training, the fixed-family rule, checkpoints)."""
 
 from __future__ import annotations
@@ -87,7 +87,6 @@ def test_gspo_value_matches_the_documented_formula(client_a, base_model):
 @pytest.mark.parametrize(
     ("loss_fn", "config", "reason"),
     [
-        ("stable_reinforce", None, "record_stability_info"),
         ("custom", {"loss_id": 3.0}, "forward_backward_custom"),
     ],
 )
@@ -136,21 +135,6 @@ def test_create_custom_loss_runs_on_the_client_and_trains(server, client_a, base
     assert result.metrics["custom/neg_ll:sum"] == pytest.approx(before, rel=1e-5)
     tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     assert tc.forward(data, "cross_entropy").result().metrics["loss:sum"] < before
-
-
-def test_record_stability_info_is_refused_not_ignored(client_a, base_model):
-    """It only serves stable_reinforce, which this server refuses; accepting it silently would
-    leave that run without the records it asked for."""
-    sampler = client_a.create_sampling_client(
-        base_model=base_model, record_stability_info=True
-    ).result()
-    params = types.SamplingParams(max_tokens=2, temperature=0.0)
-    with pytest.raises(tinker.RequestFailedError, match="record_stability_info"):
-        sampler.sample(types.ModelInput.from_ints(TEXT[:4]), 1, params).result()
-    plain = client_a.create_sampling_client(base_model=base_model).result()
-    assert (
-        len(plain.sample(types.ModelInput.from_ints(TEXT[:4]), 1, params).result().sequences) == 1
-    )
 
 
 # --------------------------------------------------------------------------- dimuon

@@ -39,9 +39,13 @@ class Servers:
         self.expected: dict[str, float] = {}
 
     def start(self) -> ServerThread:
-        # a round of at most 6 tokens: the 10-token call below runs in two chunks
+        # a round of at most 6 tokens, alone too: the 10-token call below runs in two chunks
         config = tenants_server_config(
-            self.data, self.tenants, usage_flush_s=FLUSH_S, round_token_budget=6
+            self.data,
+            self.tenants,
+            usage_flush_s=FLUSH_S,
+            round_token_budget=6,
+            solo_round_token_budget=0,
         )
         return ServerThread(config)
 

@@ -300,7 +300,7 @@ def test_no_chat_template_is_a_clear_400(server: ServerThread, tmp_path: Path) -
     for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
         shutil.copy(source / name, tmp_path / name)
     with pytest.raises(OpenAIError, match="no chat template") as err:
-        Text(tmp_path).chat([{"role": "user", "content": "hi"}])
+        Text(tmp_path).chat([{"role": "user", "content": "hi"}], 1 << 20)
     assert err.value.param == "messages" and err.value.status == 400
 
 

@@ -36,7 +36,10 @@ def test_a_repeated_prompt_hits_and_the_counters_reach_stats_and_metrics(
     assert after["enabled"] and after["lookups"] == before["lookups"] + 2
     assert after["hit_tokens"] - before["hit_tokens"] == 32
     assert after["missed_tokens"] - before["missed_tokens"] == 41 + 9
-    assert 0 < after["bytes"] <= after["max_bytes"] and after["blocks"] >= 2
+    # the cache's size is the operator's to read (issue 34: it moves with other tenants' use)
+    assert "bytes" not in after and "blocks" not in after
+    total = server.service.stats()["prefix_cache"]
+    assert 0 < total["bytes"] <= total["max_bytes"] and total["blocks"] >= 2
     assert 0 < after["hit_rate"] <= 1
     assert (
         first.sequences[0].tokens == second.sequences[0].tokens

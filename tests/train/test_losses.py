@@ -23,7 +23,7 @@ from lorafleet.train.loss_inputs import (
     loss_targets,
     validate_loss,
 )
-from lorafleet.train.losses import compute_loss, merge_metrics
+from lorafleet.train.losses import compute_loss, gradient_mask, merge_metrics
 
 VOCAB = 50
 
@@ -124,7 +124,15 @@ def rl_inputs(logq: list[float], adv: list[float], **extra: list[float]) -> dict
 
 
 def test_loss_names() -> None:
-    assert LOSS_NAMES == ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo")
+    assert LOSS_NAMES == (
+        "cross_entropy",
+        "importance_sampling",
+        "ppo",
+        "cispo",
+        "dro",
+        "gspo",
+        "stable_reinforce",
+    )
     assert set(LOSS_INPUT_KEYS) == set(LOSS_NAMES) == set(LOSS_CONFIG_DEFAULTS)
 
 
@@ -394,6 +402,8 @@ def good_inputs(name: str, n: int = 4) -> dict[str, torch.Tensor]:
     rl = {"target_tokens": targets, "logprobs": -torch.ones(n), "advantages": torch.ones(n)}
     if name == "gspo":
         rl["sequence_ratio_mask"] = torch.ones(n)
+    if name == "stable_reinforce":
+        rl["sampled_sequence"] = torch.ones(n)
     return rl
 
 
@@ -846,7 +856,7 @@ def test_gspo_bad_mask_raises(inputs, fragments) -> None:
 
 @pytest.mark.parametrize(
     ("name", "reason"),
-    [("stable_reinforce", "record_stability_info"), ("custom", "forward_backward_custom")],
+    [("custom", "forward_backward_custom")],
 )
 def test_refused_losses_say_why_and_what_is_supported(name: str, reason: str) -> None:
     with pytest.raises(LossInputError) as info:
@@ -854,3 +864,107 @@ def test_refused_losses_say_why_and_what_is_supported(name: str, reason: str) ->
     message = str(info.value)
     assert f"loss_fn {name!r} is not supported" in message
     assert reason in message and "gspo" in message and "cross_entropy" in message
+
+
+# --------------------------------------------------------------------------- stable_reinforce
+
+
+def ref_stable_reinforce(
+    logp: list[float],
+    logq: list[float],
+    adv: list[float],
+    seg: list[int],
+    clip: float = 2.0,
+    tok: tuple[float, float] = (0.2, 5.0),  # the bands the formula test sets
+    seq: tuple[float, float] = (0.5, 2.0),
+    kl: float = 0.0,
+) -> tuple[float, list[float]]:
+    """docs/losses.md's formula, token by token in plain Python: loss and d loss / d logp."""
+    runs: dict[int, list[float]] = {}
+    for lp, lq, s in zip(logp, logq, seg, strict=True):
+        if s > 0 and tok[0] <= math.exp(lp - lq) <= tok[1]:  # over the token mask's survivors
+            runs.setdefault(s, []).append(lp - lq)
+    seq_ok = {s: seq[0] <= math.exp(sum(v) / len(v)) <= seq[1] for s, v in runs.items()}
+    loss, grad = 0.0, []
+    for lp, lq, a, s in zip(logp, logq, adv, seg, strict=True):
+        r = math.exp(lp - lq)
+        keep = s > 0 and tok[0] <= r <= tok[1] and seq_ok[s]
+        if not keep:
+            grad.append(0.0)
+            continue
+        w = min(r, clip)
+        loss -= w * a * lp - 0.5 * kl * (lp - lq) ** 2
+        grad.append(-(w * a) + kl * (lp - lq))
+    return loss, grad
+
+
+@pytest.mark.parametrize("kl", [0.0, 0.3])
+def test_stable_reinforce_matches_the_documented_formula(kl: float) -> None:
+    logq = [0.0, -1.0, -1.0, -2.0, -0.5, -0.7, -1.0]
+    logp = [-3.0, -0.2, -1.1, -2.5, -1.2, -1.4, -1.0]  # token 1: r=2.2 (truncated)
+    adv = [0.0, 1.0, 1.0, 1.0, -1.0, -1.0, 0.5]
+    seg = [0, 1, 1, 1, 2, 2, 3]  # run 2's mean log-ratio is -0.7: the sequence guard drops it
+    inputs = rl_inputs(logq, adv, sampled_sequence=[float(s) for s in seg])
+    guards = {"token_mask_low": 0.2, "token_mask_high": 5.0, "seq_mask_low": 0.5}
+    config = {"kl_coeff": kl, **guards, "seq_mask_high": 2.0}
+    loss, grad, metrics, spec = run("stable_reinforce", inputs, logp, config)
+    ref_loss, ref_grad = ref_stable_reinforce(logp, logq, adv, seg, kl=kl)
+    assert_close(loss.item(), ref_loss)
+    assert_close(grad, ref_grad)
+    assert metrics["sequences:sum"] == 3 and metrics["masked_sequences:sum"] == 1
+    assert metrics["clipped_tokens:sum"] == 1 and metrics["masked_tokens:sum"] == 2
+    assert metrics["active_tokens:sum"] == 6
+    mask = gradient_mask(spec).tolist()
+    assert mask == ([False, True, True, True, True, True, True] if kl else [False] + [True] * 6)
+
+
+def test_stable_reinforce_sequence_guard_ignores_a_masked_outlier() -> None:
+    """One token far off (masked by the token mask) does not drop the rest of its sequence."""
+    logq = [-1.0, -1.0, -1.0]
+    logp = [-1.0, -1.1, -9.0]  # token 2: ratio e^-8 < token_mask_low (1e-3), masked
+    inputs = rl_inputs(logq, [1.0] * 3, sampled_sequence=[1.0] * 3)
+    _, grad, metrics, _ = run("stable_reinforce", inputs, logp)
+    assert metrics["masked_sequences:sum"] == 0 and metrics["masked_tokens:sum"] == 1
+    assert grad[2] == 0.0 and grad[0] != 0.0 and grad[1] != 0.0
+
+
+def test_stable_reinforce_weights_stay_bounded_far_off_policy() -> None:
+    """Where importance_sampling's weight explodes (a stale sampler), each stable_reinforce
+    token's gradient is at most token_clip * |A|, and tokens past the mask get none."""
+    logq = [-20.0, -1.0, -1.0, -1.0]
+    logp = [-0.1, -1.0, -0.9, -1.1]  # token 0: ratio e^19.9
+    adv = [1.0, 1.0, 1.0, 1.0]
+    _, is_grad, _, _ = run("importance_sampling", rl_inputs(logq, adv), logp)
+    assert abs(is_grad[0]) > 1e8
+    config = {"token_mask_high": 100.0, "seq_mask_high": 1e9}  # token 0 alone past a guard
+    inputs = rl_inputs(logq, adv, sampled_sequence=[1.0] * 4)
+    _, grad, metrics, _ = run("stable_reinforce", inputs, logp, config)
+    assert grad[0] == 0.0 and metrics["masked_tokens:sum"] == 1
+    assert all(abs(g) <= 2.0 + 1e-6 for g in grad)
+
+
+@pytest.mark.parametrize(
+    ("inputs", "config", "fragment"),
+    [
+        ({"sampled_sequence": [0.0, 0.0]}, {}, "marks no sampled token"),
+        ({"sampled_sequence": [1.5, 1.0]}, {}, "holds 0 (not a sampled token)"),
+        ({"sampled_sequence": [-1.0, 1.0]}, {}, "holds 0 (not a sampled token)"),
+        ({"sampled_sequence": [1.0, 1.0]}, {"token_clip": 0.0}, "'token_clip'] must be > 0"),
+        ({"sampled_sequence": [1.0, 1.0]}, {"kl_coeff": -1.0}, "'kl_coeff'] must be >= 0"),
+        ({"sampled_sequence": [1.0, 1.0]}, {"seq_mask_low": 1.5}, "0 <= seq_mask_low <= 1"),
+        ({"sampled_sequence": [1.0, 1.0]}, {"token_mask_high": 0.9}, "token_mask_high"),
+        ({"sampled_sequence": [1.0, 1.0]}, {"beta": 0.1}, "'beta'] is not accepted"),
+        ({}, {}, "'sampled_sequence', which is missing"),
+    ],
+)
+def test_stable_reinforce_bad_inputs(inputs, config, fragment) -> None:
+    with pytest.raises(LossInputError, match="datum 2") as info:
+        validate_loss(
+            "stable_reinforce",
+            rl_inputs([-1.0, -1.0], [1.0, 1.0], **inputs),
+            config,
+            2,
+            VOCAB,
+            where="datum 2",
+        )
+    assert fragment in str(info.value), str(info.value)

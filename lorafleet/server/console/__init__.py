@@ -24,6 +24,9 @@ def build_console(
     streams_per_session: int,
     streams_per_tenant: int,
     refresh_s: float,
+    operator_streams: int = 0,
+    newcomer_streams: int = 0,
+    cpu_share: float = 0.1,
 ) -> Console:
     sessions = ConsoleSessions(
         lambda: tenancy.current,
@@ -40,6 +43,9 @@ def build_console(
             total=streams,
             per_tenant=streams_per_tenant,
             interval_s=refresh_s,
+            operator_reserve=operator_streams,
+            newcomer_reserve=newcomer_streams,
+            cpu_share=cpu_share,
         ),
     )
 

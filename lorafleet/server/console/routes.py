@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +33,7 @@ from lorafleet.server.console.sessions import COOKIE, CSRF_HEADER, ConsoleSessio
 from lorafleet.server.console.sse import EventStreams
 from lorafleet.server.console.views import ConsoleViews
 from lorafleet.server.errors import Unauthorized, UserError
+from lorafleet.server.http.text_check import check_text
 from lorafleet.server.ops.run_metrics import MAX_STEP
 from lorafleet.server.state.keys import Tenant
 
@@ -139,6 +142,7 @@ async def _sign_in_key(request: Request) -> str:
             data = json.loads(body or b"null")
         except ValueError:
             data = None
+        check_text(body, data)  # a key that is not text: 400 naming it, not a 500 at hashing
         key = data.get("key") if isinstance(data, dict) else None
     elif kind == "application/x-www-form-urlencoded":
         values = parse_qs(body.decode("utf-8", "replace")).get("key")
@@ -248,6 +252,7 @@ def add_routes(app: FastAPI, console: Console) -> None:
             parsed = json.loads(body or b"null")
         except ValueError:
             raise UserError('body must be JSON {"ttl_seconds": int | null}') from None
+        check_text(body, parsed)
         views.set_ttl(tenant, run_id, checkpoint_id, parsed)
         return _json({})
 
@@ -257,24 +262,29 @@ def add_routes(app: FastAPI, console: Console) -> None:
         await asyncio.wrap_future(views.delete(tenant, run_id, checkpoint_id))
         return _json({})
 
+    shared = SharedRunViews()  # run views the streams on one run share (SharedRunViews)
+
     @app.get(f"{CONSOLE_API}/events")
     async def events(request: Request) -> StreamingResponse:
-        session, _ = _signed_in(console, request)
+        session, tenant = _signed_in(console, request)
         # on a worker thread: checking the view builds it once (a run's curves, the fleet)
         snapshot = await run_in_threadpool(
-            _snapshot, views, lambda: console.sessions.get(session.id)[1], request
+            _snapshot, views, lambda: console.sessions.get(session.id)[1], request, shared
         )
-        console.streams.check(session)
+        console.streams.check(session, tenant.operator)
         headers = {**HEADERS, "X-Accel-Buffering": "no"}
         return StreamingResponse(
-            console.streams.stream(session, snapshot),
+            console.streams.stream(session, snapshot, tenant.operator),
             media_type="text/event-stream",
             headers=headers,
         )
 
 
 def _snapshot(
-    views: ConsoleViews, current: Callable[[], Tenant], request: Request
+    views: ConsoleViews,
+    current: Callable[[], Tenant],
+    request: Request,
+    shared: SharedRunViews,
 ) -> Callable[[], dict[str, Any]]:
     """What one stream sends: `?view=tenant` (the overview, and `&run=<id>` that run's curves
     and checkpoints) or `?view=operator`. `current` gives the session's tenant as the tenants
@@ -289,9 +299,74 @@ def _snapshot(
         raise UserError(f"view must be 'tenant' or 'operator', got {view!r:.40}")
     if run is None:
         return lambda: {"overview": views.overview(current())}
-    views.run(current(), run)  # another tenant's run: 404 now
-    return lambda: _run_snapshot(views, current(), run)
+    views.check_run(current(), run)  # another tenant's run: 404 now (without building it)
+    return RunSnapshot(views, current, run, shared)
 
 
-def _run_snapshot(views: ConsoleViews, tenant: Tenant, run: str) -> dict[str, Any]:
-    return {"overview": views.overview(tenant), "run": views.run(tenant, run)}
+class SharedRunViews:
+    """Run views built in the last `max_age_s`, shared by the streams watching the same run
+    from the same point: 64 tabs opened on one run build its 31,000 points once, not 64 times.
+    Keyed by tenant, so a view is only ever handed to the tenant it was built for."""
+
+    def __init__(self, max_age_s: float = 0.5, max_entries: int = 256):
+        self.max_age_s = max_age_s
+        self.max_entries = max_entries
+        self._lock = threading.Lock()
+        self._views: dict[tuple[str, str, int], tuple[float, dict[str, Any]]] = {}
+
+    def get(self, views: ConsoleViews, tenant: Tenant, run: str, after: int) -> dict[str, Any]:
+        key = (tenant.id, run, after)
+        now = time.monotonic()
+        with self._lock:
+            hit = self._views.get(key)
+            if hit is not None and now - hit[0] <= self.max_age_s:
+                return dict(hit[1])
+        view = views.run(tenant, run, after_step=after)
+        with self._lock:
+            if len(self._views) >= self.max_entries:
+                self._views = {k: v for k, v in self._views.items() if now - v[0] <= self.max_age_s}
+                if len(self._views) >= self.max_entries:
+                    self._views.clear()
+            self._views[key] = (time.monotonic(), view)
+        return dict(view)
+
+
+class RunSnapshot:
+    """One stream's view of a run: the whole curves first, then only the points after those
+    already sent (`series_delta`, which the page appends): a run with 31 curves of 1,000
+    points costs each stream a few new points a look, not 31,000. Points are asked for after
+    the lowest last step sent over the curves (the page drops what it already holds); a curve
+    that was not there before, or is older than that, is sent whole again with the rest
+    (`series`), so a late-posted curve is never missed."""
+
+    def __init__(
+        self,
+        views: ConsoleViews,
+        current: Callable[[], Tenant],
+        run: str,
+        shared: SharedRunViews | None = None,
+    ):
+        self.shared = shared or SharedRunViews(max_age_s=0.0)
+        self.views = views
+        self.current = current
+        self.run = run
+        self.last: dict[tuple[str, str], int] | None = None  # (name, source) -> last step sent
+
+    def __call__(self) -> dict[str, Any]:
+        tenant = self.current()
+        after = -1 if not self.last else min(self.last.values())
+        view = self.shared.get(self.views, tenant, self.run, after)
+        series: list[dict[str, Any]] = view.pop("series")
+        fresh = self.last is None or any(
+            (curve["name"], curve["source"]) not in self.last for curve in series
+        )
+        if fresh and after >= 0:  # a new curve: its older points are needed too
+            series = self.shared.get(self.views, tenant, self.run, -1)["series"]
+        last = {} if fresh or self.last is None else dict(self.last)
+        for curve in series:
+            if curve["points"]:
+                curve_key = (curve["name"], curve["source"])
+                last[curve_key] = max(last.get(curve_key, -1), int(curve["points"][-1][0]))
+        self.last = last
+        field = "series" if fresh else "series_delta"
+        return {"overview": self.views.overview(tenant), "run": {**view, field: series}}

@@ -132,11 +132,15 @@ class ConsoleViews:
         report["quotas"] = {f.name: getattr(quotas, f.name) for f in fields(quotas)}
         return report
 
-    def run(self, tenant: Tenant, run: str, after_step: int = -1) -> dict[str, Any]:
-        """One run's curves and checkpoints."""
+    def check_run(self, tenant: Tenant, run: str) -> None:
+        """404 unless `run` is the tenant's own (another tenant's run is unknown)."""
         row = self.s.store.models.get(run)
         if row is None or row.tenant != tenant.id:
             raise NotFound(f"unknown model_id {run!r}")
+
+    def run(self, tenant: Tenant, run: str, after_step: int = -1) -> dict[str, Any]:
+        """One run's curves and checkpoints."""
+        self.check_run(tenant, run)
         return {
             "id": run,
             "series": self.s.run_metrics.series(tenant.id, run, after_step),

@@ -97,7 +97,7 @@ def sample_response(
 ) -> bytes:
     """`last_n` blanks only prompt_logprobs and their top-k; target ids and alternative tokens
     cover the whole prompt (Tinker's semantics)."""
-    out = pb.SampleResponse()
+    out = pb.SampleResponse(prompt_cache_hit_tokens=result.prompt_cache_hit_tokens)
     for seq in result.sequences:
         item = out.sequences.add(
             stop_reason=pb.STOP_REASON_STOP if seq.stop_reason == "stop" else pb.STOP_REASON_LENGTH,

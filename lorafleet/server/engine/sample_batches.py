@@ -8,6 +8,7 @@ same shares as the training rounds (fair_share.py)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from lorafleet.server.errors import (
     exception_text,
     strip_paths,
 )
+from lorafleet.server.ops import stability
 from lorafleet.server.ops.futures import Result
 from lorafleet.server.ops.scheduler import PendingSample
 from lorafleet.server.ops.types import Job, Sample, sample_op
@@ -39,11 +41,15 @@ def _not_run() -> Result:
 
 
 def _result(output: SampleResult, args: Sample) -> Result:
-    if output.error is not None and output.error.code == "engine_unavailable":
-        # the rollout replicas are down or restarting: the request is fine, retry it later
-        return Result.error(ServerFault(f"sample: {strip_paths(output.error.message)}", status=503))
+    """The sampler's outcome as the future's result. A failed or cancelled request carries the
+    work it did (`SampleResult.prefill_tokens`, `sampled_tokens`) for metering."""
     if output.error is not None:
-        return Result.error(UserError(f"sample: {strip_paths(output.error.message)}"))
+        return replace(
+            Result.error(_error(output.error.code, output.error.message)),
+            prefill_tokens=output.prefill_tokens,
+            sampled_tokens=output.sampled_tokens,
+            cached_prompt_tokens=output.prompt_cache_hit_tokens,
+        )
     return Result.proto(
         responses.sample_response(
             output,
@@ -54,7 +60,39 @@ def _result(output: SampleResult, args: Sample) -> Result:
             targets=args.targets,
         ),
         sampled_tokens=sum(len(seq.tokens) for seq in output.sequences),
+        cached_prompt_tokens=output.prompt_cache_hit_tokens,
+        prefill_tokens=len(args.prompt),
     )
+
+
+def _recorded_result(output: SampleResult, args: Sample, job: Job, store: Store) -> Result:
+    """As `_result`, and for a `record_stability_info` sample its stability record written
+    first: a sample whose record cannot be kept fails (its sequences could not be trained with
+    stable_reinforce, which is what the client asked to record them for), charged the work it
+    did like any failed sample."""
+    if args.record is not None and output.error is None:
+        try:
+            stability.write_record(
+                store, job.request_id, job.tenant, args.record, args.prompt, output
+            )
+        except ApiError as exc:
+            return replace(
+                Result.error(exc),
+                prefill_tokens=len(args.prompt),
+                sampled_tokens=sum(len(seq.tokens) for seq in output.sequences),
+                cached_prompt_tokens=output.prompt_cache_hit_tokens,
+            )
+    return _result(output, args)
+
+
+def _error(code: str, message: str) -> ApiError:
+    text = f"sample: {strip_paths(message)}"
+    if code == "engine_unavailable":
+        # the rollout replicas are down or restarting: the request is fine, retry it later
+        return ServerFault(text, status=503)
+    if code == "internal_error":  # this request's own work failed (the others went on)
+        return ServerFault(text)
+    return UserError(text)
 
 
 class SampleBatches:
@@ -70,6 +108,9 @@ class SampleBatches:
         self.store = store
         self.publisher = publisher  # which version of a checkpoint or ephemeral save is current
         self.ephemeral_limit = publisher.ephemeral_limit  # named in the error for one that is gone
+        # token ids every tenant's prompts may share prefix-cache blocks within (an operator's
+        # system prompts, `ServerConfig.public_prefixes`); all else is cached per tenant
+        self.public_prefixes: tuple[tuple[int, ...], ...] = ()
 
     def run(self, jobs: list[Job]) -> list[Result]:
         """Runs the jobs' samples to completion in one call (samplers without a running batch)."""
@@ -77,7 +118,7 @@ class SampleBatches:
         if batch:
             outputs = self.sampler.generate([request for _, _, request in batch])
             for (i, args, _), output in zip(batch, outputs, strict=True):
-                results[i] = _result(output, args)
+                results[i] = _recorded_result(output, args, jobs[i], self.store)
         return [r if r is not None else _not_run() for r in results]
 
     def start(self, jobs: list[Job]) -> list[Result | PendingSample]:
@@ -89,7 +130,9 @@ class SampleBatches:
         if batch:
             futures = self.sampler.submit([request for _, _, request in batch])
             for (i, args, _), future in zip(batch, futures, strict=True):
-                items[i] = PendingSample(future, partial(_result, args=args))
+                items[i] = PendingSample(
+                    future, partial(_recorded_result, args=args, job=jobs[i], store=self.store)
+                )
         return items
 
     def step(self) -> bool:
@@ -119,6 +162,10 @@ class SampleBatches:
                 target_prompt_logprobs=None if args.targets is None else args.targets.ids,
                 prompt_alt_tokens_k=args.alt_k,
                 on_token=args.on_token,
+                cancel=args.cancel,
+                # the prefix cache keeps each tenant's prompts to that tenant (prefix_cache.py)
+                cache_salt=job.tenant,
+                public_prefixes=self.public_prefixes,
             )
             batch.append((i, args, request))
         return results, batch

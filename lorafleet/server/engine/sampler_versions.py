@@ -32,6 +32,7 @@ from lorafleet.server.errors import ApiError, ServerFault, UserError, strip_path
 from lorafleet.server.state.deletion import remove_tree
 from lorafleet.server.state.retention import EphemeralRetention, VersionKey
 from lorafleet.sync.pool import NoReplicaError
+from lorafleet.train.items import TrainInputError
 from lorafleet.verification import publish_verified
 
 LIVE_SUFFIX = "#live"  # adapter id of a model's ephemeral sampler versions
@@ -160,6 +161,16 @@ class VersionPublisher:
             raise SamplerSlotsBusy(
                 f"cannot publish {adapter_id}: {exc}. Nothing was saved; retry once some of the "
                 "running samples have finished"
+            ) from None
+        except TrainInputError:
+            # The canary's own tokens are fixed, so a non-finite loss there means the run's
+            # weights are not finite: the tenant's training diverged (a 4xx, not our fault).
+            self.sync_times.add(time.perf_counter() - started, passed=False)
+            raise UserError(
+                f"cannot publish {adapter_id.removesuffix(LIVE_SUFFIX)}: the run's weights hold "
+                "NaN or infinite values (the canary's log-probs are not finite), most likely "
+                "after an optim_step with too large a learning_rate. Nothing was saved; resume "
+                "from an earlier checkpoint"
             ) from None
         except (SyncVerificationError, NoReplicaError) as exc:
             # a rollout engine's replicas could not verify it (or none is up): said, not hidden

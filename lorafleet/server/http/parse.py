@@ -16,10 +16,18 @@ from typing import Any
 
 from lorafleet.adapters.hparams import DimuonHParams, OptimHParams
 from lorafleet.sample.types import SamplingParams
+from lorafleet.sample.validate import MAX_SEED, MIN_TEMPERATURE
 from lorafleet.server.errors import UserError
 from lorafleet.server.http import prompt_targets, schemas
 from lorafleet.server.http.served import RequestLimits, ServedBase
-from lorafleet.server.ops.types import CreateModel, OptimStep, Sample, SaveSampler, SaveWeights
+from lorafleet.server.ops.types import (
+    CreateModel,
+    OptimStep,
+    Recording,
+    Sample,
+    SaveSampler,
+    SaveWeights,
+)
 from lorafleet.server.state.paths import checkpoint_name
 from lorafleet.train.optim import AdamHParams
 
@@ -231,6 +239,31 @@ def check_num_samples(num_samples: int, max_num_samples: int) -> None:
         raise UserError(f"num_samples must be between 1 and {max_num_samples}, got {num_samples}")
 
 
+# Stop strings are checked at every sampled token of every row, over a decoded window of 4
+# tokens per character of the longest one (sample/stops.py): their number and length are a
+# cost inside the shared sampling step, so they are bounded like any other field.
+MAX_STOP_ENTRIES = 64
+MAX_STOP_CHARS = 128
+
+
+def check_stop(stop: str | list[str] | list[int] | None, field: str) -> None:
+    """At most MAX_STOP_ENTRIES stops, strings of at most MAX_STOP_CHARS characters each."""
+    if stop is None:
+        return
+    entries = [stop] if isinstance(stop, str) else list(stop)
+    if len(entries) > MAX_STOP_ENTRIES:
+        raise UserError(
+            f"{field} holds {len(entries)} entries; this server takes at most {MAX_STOP_ENTRIES}"
+        )
+    for i, entry in enumerate(entries):
+        if isinstance(entry, str) and len(entry) > MAX_STOP_CHARS:
+            where = field if isinstance(stop, str) else f"{field}[{i}]"
+            raise UserError(
+                f"{where} is {len(entry)} characters long; this server takes stop strings of at "
+                f"most {MAX_STOP_CHARS} characters"
+            )
+
+
 # Wire bytes of a SampleResponse (engine/responses.sample_response): each sampled token is an int32 id and
 # a float32 logprob, each top-k entry the same pair, each prompt logprob a float32; a sequence's
 # own framing is generously rounded up.
@@ -288,16 +321,13 @@ def check_sample_cost(args: Sample, limits: RequestLimits, context_length: int |
 
 
 def sample_args(
-    req: schemas.Sample, adapter: tuple[str, int] | None, checkpoint_path: str | None
+    req: schemas.Sample,
+    adapter: tuple[str, int] | None,
+    checkpoint_path: str | None,
+    record: Recording | None = None,
 ) -> Sample:
-    if req.record_stability_info:
-        # Accepting it and recording nothing would leave a stable_reinforce run without the
-        # records its loss needs; that loss is refused too (train/loss_inputs.py).
-        raise UserError(
-            "record_stability_info=true is not supported by this server: it records no sampling "
-            "stability information (the stable_reinforce loss is not supported either); sample "
-            "without it and train with importance_sampling or ppo"
-        )
+    """`record`: where a `record_stability_info=true` sample's record goes (its caller checks
+    that the request has a session to record for)."""
     prompt: list[int] = []
     for i, chunk in enumerate(req.prompt.chunks):
         if chunk.type != "encoded_text" or chunk.tokens is None:
@@ -321,12 +351,23 @@ def sample_args(
                 f"prompt_logprobs_last_n must be between 1 and len(prompt) - 1 = {len(prompt) - 1}, got {last_n}"
             )
     p = req.sampling_params
+    check_stop(p.stop, "sampling_params.stop")
     for name, value in (("temperature", p.temperature), ("top_p", p.top_p)):
         if not math.isfinite(value):
             raise UserError(f"sampling_params.{name} must be finite, got {value!r}")
+    if p.temperature < 0:
+        raise UserError(f"sampling_params.temperature must be >= 0, got {p.temperature!r}")
+    if not 0 < p.top_p <= 1:
+        raise UserError(f"sampling_params.top_p must be in (0, 1], got {p.top_p!r}")
+    if p.seed is not None and not -MAX_SEED < p.seed < MAX_SEED:
+        raise UserError(
+            f"sampling_params.seed must be a 64-bit integer, got one of {p.seed.bit_length()} bits"
+        )
+    # (as the sampler does: below it, float32 logits / temperature overflow)
+    temperature = MIN_TEMPERATURE if 0 < p.temperature < MIN_TEMPERATURE else p.temperature
     params = SamplingParams(
         max_tokens=p.max_tokens,
-        temperature=p.temperature,
+        temperature=temperature,
         top_k=p.top_k,
         top_p=p.top_p,
         stop=p.stop,
@@ -344,4 +385,5 @@ def sample_args(
         checkpoint_path=checkpoint_path,
         targets=targets,
         alt_k=alt_k,
+        record=record,
     )

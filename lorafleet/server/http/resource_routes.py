@@ -67,8 +67,7 @@ def add_routes(app: FastAPI, rest: Rest, bodies: BodyReader) -> None:
     async def external_weights_urls(
         run_id: str, checkpoint_id: str, request: Request
     ) -> dict[str, Any]:
-        base_url = str(request.base_url).rstrip("/")
-        return rest.external_weights_urls(tenant(request), run_id, checkpoint_id, base_url)
+        return rest.external_weights_urls(tenant(request), run_id, checkpoint_id)
 
     @app.get(f"{FILES_ROUTE}/{{run_id}}/external_weights/{{name}}/{{file}}")
     async def external_file(
@@ -78,9 +77,10 @@ def add_routes(app: FastAPI, rest: Rest, bodies: BodyReader) -> None:
         signed_for: Annotated[str | None, Query(alias="tenant")] = None,
         expires: str | None = None,
         sig: str | None = None,
+        version: str | None = None,
     ) -> FileResponse:
         """No API key (app.KeyGate lets FILES_ROUTE through): the signature is the credential."""
-        path = rest.external_file(run_id, name, file, signed_for, expires, sig)
+        path = rest.external_file(run_id, name, file, signed_for, expires, sig, version)
         return FileResponse(path, media_type="application/octet-stream")
 
     @app.get(f"{API}/training_runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}/archive")
@@ -89,8 +89,7 @@ def add_routes(app: FastAPI, rest: Rest, bodies: BodyReader) -> None:
     ) -> RedirectResponse:
         """A 302 to a signed tar link, with `Expires`: what SDKs before 0.38 read in
         `get_checkpoint_archive_url`; `lorafleet export` reads the same."""
-        base_url = str(request.base_url).rstrip("/")
-        url, expires = rest.checkpoint_archive_url(tenant(request), run_id, checkpoint_id, base_url)
+        url, expires = rest.checkpoint_archive_url(tenant(request), run_id, checkpoint_id)
         return RedirectResponse(
             url, status_code=302, headers={"Expires": formatdate(expires, usegmt=True)}
         )
@@ -103,9 +102,10 @@ def add_routes(app: FastAPI, rest: Rest, bodies: BodyReader) -> None:
         signed_for: Annotated[str | None, Query(alias="tenant")] = None,
         expires: str | None = None,
         sig: str | None = None,
+        version: str | None = None,
     ) -> StreamingResponse:
         """No API key (app.KeyGate lets FILES_ROUTE through): the signature is the credential."""
-        files = rest.archive_files(run_id, segment, name, signed_for, expires, sig)
+        files = rest.archive_files(run_id, segment, name, signed_for, expires, sig, version)
         length, chunks = tar_stream(files)
         return StreamingResponse(
             chunks, media_type="application/x-tar", headers={"Content-Length": str(length)}

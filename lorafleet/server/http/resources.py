@@ -35,14 +35,31 @@ def _checkpoint_path(run_id: str, checkpoint_id: str) -> TinkerPath:
     return parse_tinker_path(f"tinker://{run_id}/{checkpoint_id}", "checkpoint_id")
 
 
-def _external_resource(run_id: str, name: str, file: str) -> str:
-    """What a download link's signature covers: one file of one export."""
-    return f"tinker://{run_id}/external_weights/{name}/{file}"
+def _external_resource(run_id: str, name: str, file: str, version: str) -> str:
+    """What a download link's signature covers: one file of one export, as saved at `version`."""
+    return f"tinker://{run_id}/external_weights/{name}/{file}@{version}"
 
 
-def _archive_resource(run_id: str, segment: str, name: str) -> str:
-    """What an archive link's signature covers: one checkpoint, whole (never an export's file)."""
-    return f"archive:tinker://{run_id}/{segment}/{name}"
+def _archive_resource(run_id: str, segment: str, name: str, version: str) -> str:
+    """What an archive link's signature covers: one checkpoint, whole (never an export's file),
+    as saved at `version`."""
+    return f"archive:tinker://{run_id}/{segment}/{name}@{version}"
+
+
+def checkpoint_version(row: CheckpointRow) -> str:
+    """A checkpoint's identity beyond its name: its creation time in microseconds. A link
+    carries it (and its signature covers it), so a checkpoint deleted and saved again under the
+    same name, or overwritten, never answers a link made for the one before: its row is new
+    and so is its creation time."""
+    return str(round(row.created_at * 1e6))
+
+
+def _same_version(row: CheckpointRow, version: str | None, path: TinkerPath) -> None:
+    if version != checkpoint_version(row):
+        raise NotFound(
+            f"{path} was saved again since this link was made; the link named the earlier "
+            "checkpoint, which no longer exists (ask for a new link)"
+        )
 
 
 class Rest:
@@ -55,8 +72,11 @@ class Rest:
         signer: UrlSigner,
         data_dir: Path,
         quotas: Quotas | None = None,
+        public_url: str = "http://127.0.0.1:8000",
     ):
-        """`quotas`: a copy is a new checkpoint, so it counts against checkpoint storage."""
+        """`quotas`: a copy is a new checkpoint, so it counts against checkpoint storage.
+        `public_url`: the base links and redirects name (public_url.py), never a request's Host."""
+        self.public_url = public_url
         self.quotas = quotas
         self.store = store
         self.ownership = ownership
@@ -165,10 +185,10 @@ class Rest:
 
     # ------------------------------------------------------------------ external weights
     def external_weights_urls(
-        self, tenant: Tenant, run_id: str, checkpoint_id: str, base_url: str
+        self, tenant: Tenant, run_id: str, checkpoint_id: str
     ) -> dict[str, Any]:
         """One signed link per file of an export (`save_weights_external`), served by
-        `external_file`; `base_url` is the address the client reached this server at."""
+        `external_file`, bound to this save of the export (`checkpoint_version`)."""
         path = _checkpoint_path(run_id, checkpoint_id)
         if path.kind != "external":
             raise UserError(
@@ -179,11 +199,14 @@ class Rest:
         now = time.time()
         urls: dict[str, str] = {}
         expires = int(now) + self.signer.ttl_s
+        version = checkpoint_version(row)
         for file in export_files(Path(row.dir)):
-            link = self.signer.sign(tenant.id, _external_resource(run_id, path.name, file), now)
+            resource = _external_resource(run_id, path.name, file, version)
+            link = self.signer.sign(tenant.id, resource, now)
             expires = link.expires
             where = f"{quote(run_id, safe=':')}/external_weights/{quote(path.name)}/{quote(file)}"
-            urls[file] = f"{base_url}{FILES_ROUTE}/{where}?{urlencode(link.query)}"
+            query = urlencode({**link.query, "version": version})
+            urls[file] = f"{self.public_url}{FILES_ROUTE}/{where}?{query}"
         return {"urls": urls, "expires": datetime.fromtimestamp(expires, UTC).isoformat()}
 
     def external_file(
@@ -194,15 +217,18 @@ class Rest:
         tenant: str | None,
         expires: str | None,
         sig: str | None,
+        version: str | None = None,
     ) -> Path:
         """The file a signed link names; the signature is the only credential (the SDK fetches
         with a plain GET, no key). Bad or expired signature: 403; a deleted export or a name
         that is not one of its files: 404. Nothing outside the export's own files is served."""
-        owner = self.signer.verify(tenant, _external_resource(run_id, name, file), expires, sig)
+        resource = _external_resource(run_id, name, file, str(version))
+        owner = self.signer.verify(tenant, resource, expires, sig)
         path = parse_tinker_path(f"tinker://{run_id}/external_weights/{name}")
         row = self.store.checkpoints.get(str(path))
         if row is None or row.tenant != owner or row.expired():
             raise NotFound(f"external weights {path} do not exist any more")
+        _same_version(row, version, path)
         directory = Path(row.dir)
         if file not in export_files(directory):
             raise NotFound(f"external weights {path} have no file {file!r}")
@@ -210,16 +236,20 @@ class Rest:
 
     # ------------------------------------------------------------------ archives
     def checkpoint_archive_url(
-        self, tenant: Tenant, run_id: str, checkpoint_id: str, base_url: str
+        self, tenant: Tenant, run_id: str, checkpoint_id: str
     ) -> tuple[str, int]:
         """(signed link, expiry in unix seconds) to the checkpoint's files as one tar
         (archives.py), for its owner only: a training checkpoint holds the optimizer state,
-        which publishing never shares. `base_url`: the address the client reached us at."""
+        which publishing never shares. The link names this save of the checkpoint
+        (`checkpoint_version`) and the configured public address."""
         path = _checkpoint_path(run_id, checkpoint_id)
-        self.ownership.checkpoint(tenant, path)
-        link = self.signer.sign(tenant.id, _archive_resource(run_id, path.segment, path.name))
+        row = self.ownership.checkpoint(tenant, path)
+        version = checkpoint_version(row)
+        resource = _archive_resource(run_id, path.segment, path.name, version)
+        link = self.signer.sign(tenant.id, resource)
         where = f"{quote(run_id, safe=':')}/archive/{path.segment}/{quote(path.name)}"
-        return f"{base_url}{FILES_ROUTE}/{where}?{urlencode(link.query)}", link.expires
+        query = urlencode({**link.query, "version": version})
+        return f"{self.public_url}{FILES_ROUTE}/{where}?{query}", link.expires
 
     def archive_files(
         self,
@@ -229,15 +259,18 @@ class Rest:
         tenant: str | None,
         expires: str | None,
         sig: str | None,
+        version: str | None = None,
     ) -> list[Path]:
         """The files an archive link names (the signature is the only credential, as for
         `external_file`): 403 for a bad or expired signature (checked before anything else is
         parsed), 404 once the checkpoint is gone."""
-        owner = self.signer.verify(tenant, _archive_resource(run_id, segment, name), expires, sig)
+        resource = _archive_resource(run_id, segment, name, str(version))
+        owner = self.signer.verify(tenant, resource, expires, sig)
         path = parse_tinker_path(f"tinker://{run_id}/{segment}/{name}")
         row = self.store.checkpoints.get(str(path))
         if row is None or row.tenant != owner or row.expired():
             raise NotFound(f"checkpoint {path} does not exist any more")
+        _same_version(row, version, path)
         directory = Path(row.dir)
         return [directory / file for file in export_files(directory)]
 
@@ -265,8 +298,6 @@ class Rest:
                 "sampler checkpoint it came from"
             )
         source = self.ownership.readable_checkpoint(tenant, source_path)
-        if self.quotas is not None:
-            self.quotas.check_storage(tenant.id, source.size_bytes or 0)
         if source.tenant != tenant.id and source.kind == "training":
             raise UserError(
                 f"{source_path} is another tenant's training checkpoint: a copy would hold its "
@@ -300,7 +331,21 @@ class Rest:
             self._add_copy(tenant, source, dest_path, dest, session_id, expires_at, idempotency_key)
             return {"tinker_path": str(dest_path)}
 
-        return self.engine.scheduler.call(copy)
+        # reserved now, while it waits for the worker, and held until its row is written
+        release = (
+            self.quotas.reserve_storage(tenant.id, source.size_bytes or 0)
+            if self.quotas is not None
+            else None
+        )
+        try:
+            future = self.engine.scheduler.call(copy)
+        except BaseException:
+            if release is not None:
+                release()
+            raise
+        if release is not None:
+            future.add_done_callback(lambda _done: release())
+        return future
 
     def _copy_session(
         self, tenant: Tenant, req: schemas.CopyWeights, source: TinkerPath

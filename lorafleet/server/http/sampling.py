@@ -3,14 +3,19 @@ the SDK derives) and sample requests, which are not ordered by seq_id but dedupl
 
 from __future__ import annotations
 
+import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 from lorafleet.server.errors import ApiError, Conflict, UserError
 from lorafleet.server.http import parse, schemas
 from lorafleet.server.http.served import ServedBase
+from lorafleet.server.ops import stability
+from lorafleet.server.ops.abandoned import AbandonedSamples
 from lorafleet.server.ops.intake import Intake, Place
-from lorafleet.server.ops.types import Op, Refused
+from lorafleet.server.ops.stability import StabilityPolicy
+from lorafleet.server.ops.types import Op, Recording, Refused, Sample
 from lorafleet.server.state import ids
 from lorafleet.server.state.keys import Tenant
 from lorafleet.server.state.ownership import Ownership
@@ -25,11 +30,15 @@ class Sampling:
         ownership: Ownership,
         intake: Intake,
         served: ServedBase,
+        stability_policy: StabilityPolicy | None = None,
+        abandoned: AbandonedSamples | None = None,
     ):
         self.store = store
         self.ownership = ownership
         self.intake = intake
         self.served = served
+        self.stability_policy = stability_policy or StabilityPolicy()
+        self.abandoned = abandoned  # cancels samples whose client stopped polling
 
     def create_session(self, tenant: Tenant, body: Any) -> dict[str, Any]:
         req = schemas.parse(schemas.CreateSamplingSession, body)
@@ -81,9 +90,11 @@ class Sampling:
         scope: str | None = None
         adapter: tuple[str, int] | None = None
         checkpoint_path: str | None = None
+        session_id: str | None = None
         if req.sampling_session_id is not None:
             row = self.ownership.sampling_session(tenant, req.sampling_session_id)
             scope = row.sampling_session_id
+            session_id = row.session_id
             if row.adapter_id is not None:
                 adapter = (row.adapter_id, row.adapter_version or 0)
                 checkpoint_path = row.model_path
@@ -96,15 +107,40 @@ class Sampling:
             self.served.check(req.base_model)
         else:
             raise UserError("asample needs sampling_session_id, model_path or base_model")
+        record = self._recording(tenant, req, session_id)
         op: Op
+        cancel = threading.Event()  # set once its client has stopped polling (abandoned.py)
         try:
-            op = parse.sample_args(req, adapter, checkpoint_path)
+            op = replace(parse.sample_args(req, adapter, checkpoint_path, record), cancel=cancel)
             parse.check_sample_cost(op, self.served.limits, self.served.context_length)
         except ApiError as exc:
             op = Refused(exc, "sample")
+        if record is not None and isinstance(op, Sample):
+            max_new = op.params.max_tokens or max(
+                (self.served.context_length or 0) - len(op.prompt), 0
+            )
+            bound = stability.record_bound(len(op.prompt), op.num_samples, max_new)
+            stability.check_room(self.store, tenant.id, self.stability_policy, bound)
         place = Place(scope=scope, seq_id=req.seq_id if scope is not None else None)
         promise = self.intake.submit(tenant, op, place, parse.fingerprint(body))
+        if self.abandoned is not None and not isinstance(op, Refused):
+            self.abandoned.register(promise.request_id, tenant.id, cancel)
         return {
             **promise.json(),
             "sample_sequence_ids": ids.sample_sequence_ids(promise.request_id, req.num_samples),
         }
+
+    def _recording(
+        self, tenant: Tenant, req: schemas.Sample, session_id: str | None
+    ) -> Recording | None:
+        """Where a `record_stability_info=true` sample's record goes: its sampling client's
+        session (a sample without one has nobody to train on the record, and is refused)."""
+        if not req.record_stability_info:
+            return None
+        if session_id is None:
+            raise UserError(
+                "record_stability_info=true needs a sampling client of a session "
+                "(sampling_session_id): records belong to the session that sampled them, and a "
+                "sample by model_path or base_model alone has none"
+            )
+        return Recording(session_id, self.stability_policy.quota_bytes)

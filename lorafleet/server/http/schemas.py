@@ -23,6 +23,7 @@ from pydantic import (
 )
 
 from lorafleet.server.errors import UserError
+from lorafleet.server.http.text_check import check_text
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -66,12 +67,16 @@ class _Body(BaseModel):
 
 
 def parse_json(raw: bytes) -> Any:
+    """The body as JSON; a string in it that is not valid Unicode (a lone surrogate escape) is
+    a 400 naming its field (text_check.py), before any parser, tokenizer or store sees it."""
     try:
-        return json.loads(raw) if raw else {}
+        value = json.loads(raw) if raw else {}
     except RecursionError:
         raise UserError("request body is not acceptable JSON: nested too deeply") from None
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, integers of > 4300 digits
         raise UserError(f"request body is not valid JSON: {str(exc)[:200]}") from None
+    check_text(raw, value)
+    return value
 
 
 def _show(value: Any) -> str:

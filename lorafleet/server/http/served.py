@@ -47,6 +47,26 @@ class ServedBase:
         )
 
 
+# Text per token a prompt that fits the context may reasonably hold: English runs about 4 bytes
+# a token and code 3; 8 leaves room for whitespace runs and non-Latin scripts. A text over
+# the cap is refused before the tokenizer runs, whose time and memory grow with the bytes (a
+# 7.5 MB prompt took 8 s and 870 MB to be refused once tokenized).
+PROMPT_BYTES_PER_TOKEN = 8
+MIN_PROMPT_BYTES = 64 << 10
+UNKNOWN_CONTEXT_PROMPT_BYTES = 1 << 20
+
+
+def prompt_bytes_cap(configured: int | None, context_length: int | None) -> int:
+    """`max_prompt_bytes`: the configured cap, else PROMPT_BYTES_PER_TOKEN per context token."""
+    if configured is not None:
+        if isinstance(configured, bool) or configured < 1:
+            raise ValueError(f"max_prompt_bytes must be >= 1, got {configured!r}")
+        return configured
+    if context_length is None:
+        return UNKNOWN_CONTEXT_PROMPT_BYTES
+    return max(MIN_PROMPT_BYTES, PROMPT_BYTES_PER_TOKEN * context_length)
+
+
 @dataclass(frozen=True)
 class RequestLimits:
     """Caps on what one request may cost, checked before any work starts (and reported to
@@ -62,6 +82,7 @@ class RequestLimits:
 
     max_num_samples: int
     max_response_bytes: int
+    max_prompt_bytes: int  # text handed to the tokenizer per request (prompt_bytes_cap)
     max_topk_logprobs: int
     max_metadata_keys: int
     max_metadata_bytes: int

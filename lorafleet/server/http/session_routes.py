@@ -49,8 +49,7 @@ def add_routes(app: FastAPI, sessions: Sessions, bodies: BodyReader) -> None:
 
     @app.get(f"{API}/sessions/{{session_id}}/trace_export")
     async def trace_export(session_id: str, request: Request) -> dict[str, Any]:
-        base_url = str(request.base_url).rstrip("/")
-        return sessions.trace_export(tenant(request), session_id, base_url)
+        return sessions.trace_export(tenant(request), session_id)
 
     @app.get(f"{TRACES_ROUTE}/{{session_id}}")
     async def trace(

@@ -98,7 +98,16 @@ class _Search:
 
 
 class Sessions:
-    def __init__(self, store: Store, ownership: Ownership, engine: EngineCalls, signer: UrlSigner):
+    def __init__(
+        self,
+        store: Store,
+        ownership: Ownership,
+        engine: EngineCalls,
+        signer: UrlSigner,
+        public_url: str = "http://127.0.0.1:8000",
+    ):
+        """`public_url`: the base trace links name (public_url.py), never a request's Host."""
+        self.public_url = public_url
         self.store = store
         self.ownership = ownership
         self.engine = engine
@@ -152,6 +161,9 @@ class Sessions:
             self._unload_models(session.session_id, f"sent no heartbeat for {timeout_s:.0f} s")
 
     def _unload_models(self, session_id: str, why: str) -> None:
+        """A finished session's models leave their slots, and its stability records go: they
+        can only be trained on by its models (ops/stability.py)."""
+        self.store.stability_records.delete_of_session(session_id)
         models = [
             m.model_id for m in self.store.models.of_session(session_id) if m.status == "active"
         ]
@@ -236,11 +248,11 @@ class Sessions:
             )
         return when.timestamp(), cursor.last_session_id
 
-    def trace_export(self, tenant: Tenant, session_id: str, base_url: str) -> dict[str, Any]:
+    def trace_export(self, tenant: Tenant, session_id: str) -> dict[str, Any]:
         """The trace is built when its link is fetched, so it is always ready here."""
         self.ownership.session(tenant, session_id, active=False)
         link = self.signer.sign(tenant.id, f"trace/{session_id}")
-        url = f"{base_url}{TRACES_ROUTE}/{quote(session_id)}?{urlencode(link.query)}"
+        url = f"{self.public_url}{TRACES_ROUTE}/{quote(session_id)}?{urlencode(link.query)}"
         return {"status": "ready", "url": url}
 
     def trace(

@@ -1,7 +1,8 @@
 """lorafleet's own counters (not part of the Tinker API): batches per kind, mixed and
 cross-tenant batches, loaded models, pending operations. An operator key reads them all; any
 other key reads the server-wide counts and only its own per-tenant entries (`own_view`), and
-rollout replicas without the names of the versions they hold."""
+rollout replicas without the names of the versions they hold, and the prefix cache's counters
+of its own prompts only."""
 
 from __future__ import annotations
 
@@ -32,6 +33,9 @@ def own_view(stats: dict[str, Any], tenant_id: str) -> dict[str, Any]:
         if isinstance(order, list):
             fair["turn_order"] = [t for t in order if t == tenant_id]
         view["fair_share"] = fair
+    cache = view.get("prefix_cache")
+    if isinstance(cache, dict):
+        view["prefix_cache"] = _own_prefix_cache(cache, tenant_id)
     rollout = view.get("rollout")
     if isinstance(rollout, dict) and isinstance(rollout.get("replicas"), list):
         # Which versions a replica holds, and the last canary's version, name other tenants'
@@ -41,6 +45,24 @@ def own_view(stats: dict[str, Any], tenant_id: str) -> dict[str, Any]:
             "replicas": [_replica_counts(r) for r in rollout["replicas"]],
         }
     return view
+
+
+def _own_prefix_cache(cache: dict[str, Any], tenant_id: str) -> dict[str, Any]:
+    """The prefix cache as one tenant sees it: on or off, its block size and the tenant's own
+    counters. The totals (hit tokens, bytes, blocks, evictions) move with what other tenants
+    send, which is how a guess at another tenant's prompt showed (issue 34): operators only."""
+    tenants = cache.get("tenants")
+    own = tenants.get(tenant_id) if isinstance(tenants, dict) else None
+    counters = own if isinstance(own, dict) else {}
+    return {
+        "enabled": cache.get("enabled"),
+        "block_tokens": cache.get("block_tokens"),
+        "lookups": counters.get("lookups", 0),
+        "hit_tokens": counters.get("hit_tokens", 0),
+        "missed_tokens": counters.get("missed_tokens", 0),
+        "hit_rate": counters.get("hit_rate", 0.0),
+        "inserts": counters.get("inserts", 0),
+    }
 
 
 def _replica_counts(replica: Any) -> Any:

@@ -8,18 +8,33 @@ parse, its op is a `Refused` holding the error, which fails in the model's order
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from tinker.proto import tinker_public_pb2 as pb
+
 from lorafleet.server.errors import ApiError, UserError
-from lorafleet.server.http import parse, proto, schemas
+from lorafleet.server.http import json_fwdbwd, parse, proto, schemas
 from lorafleet.server.http.served import ServedBase
+from lorafleet.server.ops import stability
 from lorafleet.server.ops.intake import Intake, Place
-from lorafleet.server.ops.types import CreateFromState, LoadWeights, Op, Refused, SaveExternal
+from lorafleet.server.ops.stability import StabilityPolicy
+from lorafleet.server.ops.types import (
+    CreateFromState,
+    Forward,
+    ForwardBackward,
+    LoadWeights,
+    Op,
+    Refused,
+    SaveExternal,
+)
 from lorafleet.server.state import external_weights, ids
 from lorafleet.server.state.keys import Tenant
 from lorafleet.server.state.ownership import Ownership
 from lorafleet.server.state.paths import checkpoint_name, parse_tinker_path
+from lorafleet.server.state.store import ModelRow
+from lorafleet.train.loss_inputs import STABLE_REINFORCE
 
 
 def op_or_refusal(kind: str, build: Callable[[], Op]) -> Op:
@@ -32,12 +47,19 @@ def op_or_refusal(kind: str, build: Callable[[], Op]) -> Op:
 
 class Training:
     def __init__(
-        self, ownership: Ownership, intake: Intake, served: ServedBase, *, max_body_bytes: int
+        self,
+        ownership: Ownership,
+        intake: Intake,
+        served: ServedBase,
+        *,
+        max_body_bytes: int,
+        stability_policy: StabilityPolicy | None = None,
     ):
         self.ownership = ownership
         self.intake = intake
         self.served = served
         self.max_body_bytes = max_body_bytes
+        self.stability_policy = stability_policy or StabilityPolicy()
 
     def _to_model(
         self, tenant: Tenant, model_id: str, seq_id: int, op: Op, fingerprint: str
@@ -77,9 +99,43 @@ class Training:
         msg = proto.parse_forward_backward(raw)
         row = self.ownership.model(tenant, msg.model_id)  # 404 before the data is decoded
         kind = "forward" if msg.forward_only else "forward_backward"
-        op = op_or_refusal(kind, lambda: proto.decode_call(msg))
+        op = op_or_refusal(kind, lambda: self._with_provenance(tenant, row, msg))
         promise = self.intake.submit_to_model(tenant, row, msg.seq_id, op, parse.fingerprint(raw))
         return promise.json()
+
+    def forward_backward_json(self, tenant: Tenant, body: Any) -> dict[str, Any]:
+        """The same call as a JSON body (json_fwdbwd.py): converted to the protobuf message
+        once its envelope names a model of the caller's, then checked exactly as protobuf."""
+        model_id, seq_id, forward_only = json_fwdbwd.envelope(body)
+        row = self.ownership.model(tenant, model_id)
+        kind = "forward" if forward_only else "forward_backward"
+        op = op_or_refusal(
+            kind, lambda: self._with_provenance(tenant, row, json_fwdbwd.to_proto(body))
+        )
+        promise = self.intake.submit_to_model(tenant, row, seq_id, op, parse.fingerprint(body))
+        return promise.json()
+
+    def _with_provenance(
+        self, tenant: Tenant, row: ModelRow, msg: pb.ForwardBackwardRequest
+    ) -> Forward | ForwardBackward:
+        """The call decoded, its provenance spans checked against the stability records of the
+        model's session (stability.attach: stable_reinforce then trains on the records)."""
+        call = proto.decode_call(msg)
+        spans = [stability.spans_from_proto(d) for d in msg.data]
+        if call.loss_fn != STABLE_REINFORCE and all(
+            s.model_input is None and s.loss_fn_inputs is None for s in spans
+        ):
+            return call
+        data = stability.attach(
+            self.ownership.store,
+            self.stability_policy,
+            tenant.id,
+            row.session_id,
+            call.loss_fn,
+            call.data,
+            spans,
+        )
+        return dataclasses.replace(call, data=data)
 
     def optim_step(self, tenant: Tenant, body: Any) -> dict[str, Any]:
         req = schemas.parse(schemas.OptimStep, body)

@@ -1,5 +1,6 @@
 """A `TrainingClient`'s operations; each answers with a future. forward_backward is the one
-protobuf body (under the larger protobuf limit); the others are JSON."""
+protobuf body (under the larger protobuf limit; a JSON body, Content-Type application/json,
+is accepted too); the others are JSON."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ def add_routes(app: FastAPI, training: Training, bodies: BodyReader) -> None:
     @app.post(f"{API}/forward_backward")
     async def forward_backward(request: Request) -> dict[str, Any]:
         who = tenant(request)
+        content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if content_type == "application/json":  # JSON clients (json_fwdbwd.py)
+            return training.forward_backward_json(who, await bodies.json(request))
         raw = await bodies.protobuf(request)
         return training.forward_backward(who, raw, request.headers.get("content-encoding"))
 

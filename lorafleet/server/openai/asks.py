@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from lorafleet.sample.validate import MAX_SEED
+from lorafleet.server.http.parse import MAX_STOP_CHARS
 from lorafleet.server.http.served import RequestLimits
 from lorafleet.server.openai.errors import OpenAIError, unsupported
 from lorafleet.server.openai.text import Text
@@ -131,6 +133,14 @@ def _stop(value: Any) -> tuple[str, ...]:
             f"stop must be a non-empty string or a list of 1 to {MAX_STOPS} of them, got {value!r}",
             "stop",
         )
+    for i, s in enumerate(stops):
+        if len(s) > MAX_STOP_CHARS:
+            where = "stop" if isinstance(value, str) else f"stop[{i}]"
+            raise OpenAIError(
+                f"{where} is {len(s)} characters long; this server takes stop strings of at most "
+                f"{MAX_STOP_CHARS} characters (each is checked at every sampled token)",
+                "stop",
+            )
     return tuple(dict.fromkeys(stops))
 
 
@@ -162,6 +172,10 @@ def _common(body: Any, limits: RequestLimits) -> dict[str, Any]:
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise OpenAIError(f"seed must be an integer, got {seed!r}", "seed")
+    if seed is not None and not -MAX_SEED < seed < MAX_SEED:
+        raise OpenAIError(
+            f"seed must be a 64-bit integer, got one of {seed.bit_length()} bits", "seed"
+        )
     return {
         "model": model,
         "n": n,
@@ -180,7 +194,7 @@ def completion(body: Any, text: Text, limits: RequestLimits) -> Ask:
     logprobs = _int(body, "logprobs", 0, limits.max_topk_logprobs)
     return Ask(
         chat=False,
-        prompt=_prompt(body.get("prompt"), text),
+        prompt=_prompt(body.get("prompt"), text, limits.max_prompt_bytes),
         max_tokens=_int(body, "max_tokens", 1, None),
         logprobs=logprobs,
         **common,
@@ -198,17 +212,37 @@ def chat(body: Any, text: Text, limits: RequestLimits) -> Ask:
         raise OpenAIError("top_logprobs needs logprobs: true", "top_logprobs")
     return Ask(
         chat=True,
-        prompt=text.chat(_messages(body.get("messages"))),
+        prompt=text.chat(
+            _messages(body.get("messages"), limits.max_prompt_bytes), limits.max_prompt_bytes
+        ),
         max_tokens=max_tokens,
         logprobs=(top or 0) if wants else None,
         **common,
     )
 
 
-def _prompt(value: Any, text: Text) -> list[int]:
+def text_bytes(value: str) -> int:
+    """UTF-8 length; a string longer in characters than `cap` is over it without encoding."""
+    return len(value.encode("utf-8"))
+
+
+def _check_bytes(size: int, cap: int, field: str, what: str) -> None:
+    if size > cap:
+        raise OpenAIError(
+            f"{what} is {size} bytes, more than this server's limit of {cap} bytes of text per "
+            "request (max_prompt_bytes in get_server_capabilities' lorafleet_limits): it could "
+            "not fit the model's context; shorten it",
+            field,
+            code="context_length_exceeded",
+        )
+
+
+def _prompt(value: Any, text: Text, cap: int) -> list[int]:
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
         value = value[0]  # a batch of one prompt
     if isinstance(value, str) and value:
+        # before the tokenizer, whose time and memory grow with the text
+        _check_bytes(len(value) if len(value) > cap else text_bytes(value), cap, "prompt", "prompt")
         return text.encode(value)
     if (
         isinstance(value, list)
@@ -227,10 +261,13 @@ def _prompt(value: Any, text: Text) -> list[int]:
     )
 
 
-def _messages(value: Any) -> list[dict[str, str]]:
+def _messages(value: Any, cap: int) -> list[dict[str, str]]:
+    """The messages as the chat template takes them; their content together at most `cap`
+    bytes (checked as each is read, before the template or the tokenizer runs)."""
     if not isinstance(value, list) or not 1 <= len(value) <= MAX_MESSAGES:
         raise OpenAIError(f"messages must be a list of 1 to {MAX_MESSAGES} messages", "messages")
     out: list[dict[str, str]] = []
+    total = 0
     for i, message in enumerate(value):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
@@ -247,7 +284,10 @@ def _messages(value: Any) -> list[dict[str, str]]:
                 raise unsupported(f"{where}.{field}", "there is no tool calling or audio")
         # "developer" is OpenAI's newer name for "system", which chat templates know
         role = "system" if role == "developer" else str(role)
-        out.append({"role": role, "content": _content(message.get("content"), where)})
+        content = _content(message.get("content"), where)
+        total += len(content) if len(content) > cap else text_bytes(content)
+        _check_bytes(total, cap, "messages", f"the content of messages[0..{i}]")
+        out.append({"role": role, "content": content})
     return out
 
 

@@ -24,12 +24,15 @@ class Sampled:
     logprobs: list[float]
     finish_reason: str  # "stop" | "length"
     top: list[TopRow] | None
+    # the response's prompt_cache_hit_tokens (its request's prompt, shared by every sequence)
+    cached_prompt_tokens: int = 0
 
 
 def sampled(body: bytes) -> list[Sampled]:
     """The sequences of a Tinker SampleResponse (what the sample op's future holds)."""
     out = []
-    for seq in pb.SampleResponse.FromString(body).sequences:
+    response = pb.SampleResponse.FromString(body)
+    for seq in response.sequences:
         top: list[TopRow] | None = None
         if seq.HasField("topk_sampled_logprobs"):
             t = seq.topk_sampled_logprobs
@@ -45,6 +48,7 @@ def sampled(body: bytes) -> list[Sampled]:
                 logprobs=np.frombuffer(seq.logprobs, dtype="<f4").astype(float).tolist(),
                 finish_reason="stop" if seq.stop_reason == pb.STOP_REASON_STOP else "length",
                 top=top,
+                cached_prompt_tokens=int(response.prompt_cache_hit_tokens),
             )
         )
     return out
@@ -54,13 +58,17 @@ def final_text(seq: Sampled, ask: Ask, text: Text) -> str:
     return cut_at_stop(text.decode(seq.tokens), ask.stop)[0]
 
 
-def usage(ask: Ask, seqs: list[Sampled]) -> dict[str, int]:
+def usage(ask: Ask, seqs: list[Sampled]) -> dict[str, Any]:
+    """OpenAI's usage, with `prompt_tokens_details.cached_tokens`: the prompt tokens the
+    sampler read from its prefix cache instead of computing."""
     completion = sum(len(s.tokens) for s in seqs)
     prompt = len(ask.prompt)
+    cached = min(seqs[0].cached_prompt_tokens, prompt) if seqs else 0
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
 
 

@@ -4,16 +4,18 @@ The key arrives as `Authorization: Bearer` on `/v1/` paths (app.KeyGate)."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from lorafleet.server.errors import ApiError, NotFound
 from lorafleet.server.http import API
 from lorafleet.server.http.aliases import Aliases
 from lorafleet.server.http.bodies import BodyReader, tenant
+from lorafleet.server.http.disconnect import ClientGone, WatchedStream, unless_disconnected
 from lorafleet.server.openai.errors import body as error_body
 from lorafleet.server.openai.service import Completions
 
@@ -30,6 +32,8 @@ async def _openai(answer: Callable[[], Awaitable[Any]]) -> Any:
         return await answer()
     except ApiError as exc:
         return error_response(exc)
+    except ClientGone:  # nobody reads it; its sample was cancelled
+        return Response(status_code=499)
 
 
 def add_routes(
@@ -54,14 +58,18 @@ def add_routes(
     async def complete(request: Request, chat: bool) -> Any:
         async def answer() -> Any:
             raw = await bodies.json(request)
+            cancel = threading.Event()  # set when the client hangs up: the sample stops
             if isinstance(raw, dict) and raw.get("stream") is True:
-                events = completions.stream(tenant(request), raw, chat)
-                return StreamingResponse(
+                events = completions.stream(tenant(request), raw, chat, cancel)
+                return WatchedStream(
                     events,
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                    on_gone=cancel.set,
                 )
-            return await completions.answer(tenant(request), raw, chat)
+            return await unless_disconnected(
+                request, completions.answer(tenant(request), raw, chat, cancel), cancel.set
+            )
 
         return await _openai(answer)
 

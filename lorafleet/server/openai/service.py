@@ -8,15 +8,18 @@ thread as each token is drawn; the hook hands the token to the request's event l
 route sends the text as it grows. A sampler that cannot call the hook (its batch runs in
 another process: Ray replicas, a vLLM pool; `SamplerFeatures.token_streaming` false) is not
 given one, and the stream then carries the whole completion at once. What is buffered is at
-most the request's own tokens, which its cost check bounded before it ran. A client that disconnects stops its stream: the hook goes
-quiet and nothing waits for the result, while the sample itself runs to its end (it is metered
-and its result kept like any other), so no other request is touched."""
+most the request's own tokens, which its cost check bounded before it ran.
+
+A client that disconnects (a stream or a non-streamed request; the routes listen for it,
+http/disconnect.py) cancels its sample: the request's cancel event is set, the sampler drops
+its rows at its next step, and the tokens it had produced are metered (issue 34)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -30,6 +33,7 @@ from lorafleet.server.openai import asks, render
 from lorafleet.server.openai.errors import OpenAIError, body
 from lorafleet.server.openai.errors import from_failed_result as failed
 from lorafleet.server.openai.models import Models, Target
+from lorafleet.server.openai.sizes import openai_response_bytes
 from lorafleet.server.openai.text import Incremental, Text, cut_at_stop, safe_prefix
 from lorafleet.server.ops.futures import FutureTable, Result
 from lorafleet.server.ops.intake import Intake, Place
@@ -108,8 +112,38 @@ class Completions:
                 code="unsupported",
             )
 
+    def _check_response_size(self, ask: asks.Ask, args: Sample) -> None:
+        """The JSON response's size (sizes.py), which is several times the Tinker estimate
+        `check_sample_cost` made: log-prob entries are objects here, repeated per choice."""
+        limit = self.served.limits.max_response_bytes
+        max_new = args.params.max_tokens
+        if max_new is None:  # check_sample_cost let it through: the context bounds it
+            max_new = max((self.served.context_length or 0) - len(ask.prompt), 0)
+        size = openai_response_bytes(ask, max_new)
+        if size <= limit:
+            return
+        tokens = "max_completion_tokens" if ask.chat else "max_tokens"
+        what = f"n {ask.n} x {tokens} {max_new}"
+        field = tokens
+        if ask.logprobs:
+            top = "top_logprobs" if ask.chat else "logprobs"
+            what += f" x (1 + {top} {ask.logprobs}) log-prob entries"
+            field = top
+        raise OpenAIError(
+            f"this request's response could carry about {size} bytes of JSON ({what}, each with "
+            f"its text and framing), more than this server's limit of {limit} bytes per response; "
+            "ask for fewer choices, tokens or top log-probs",
+            field,
+        )
+
     def submit(
-        self, tenant: Tenant, raw: Any, ask: asks.Ask, target: Target, hook: StreamHook | None
+        self,
+        tenant: Tenant,
+        raw: Any,
+        ask: asks.Ask,
+        target: Target,
+        hook: StreamHook | None,
+        cancel: threading.Event | None = None,
     ) -> str:
         """The request into the scheduler (cost checked first); its request id."""
         stop: list[str] | None = None
@@ -134,12 +168,14 @@ class Completions:
             checkpoint_path=target.checkpoint_path,
             # only a sampler that calls it as tokens are drawn gets it (`SamplerFeatures`)
             on_token=hook if self.features.token_streaming else None,
+            cancel=cancel,
         )
         try:
             parse.check_sample_cost(args, self.served.limits, self.served.context_length)
         except UserError as exc:
             field = "max_completion_tokens" if ask.chat else "max_tokens"
             raise OpenAIError(exc.message, field) from None
+        self._check_response_size(ask, args)
         promise = self.intake.submit(tenant, args, Place(), parse.fingerprint(raw))
         return promise.request_id
 
@@ -156,20 +192,28 @@ class Completions:
             raise failed(result.body)
         return render.sampled(result.body)
 
-    async def answer(self, tenant: Tenant, raw: Any, chat: bool) -> dict[str, Any]:
+    async def answer(
+        self, tenant: Tenant, raw: Any, chat: bool, cancel: threading.Event | None = None
+    ) -> dict[str, Any]:
+        """`cancel`: set by the route when the client hangs up (the sample then stops)."""
         ask, target = self.parse(tenant, raw, chat)
-        rid = self.submit(tenant, raw, ask, target, None)
+        rid = self.submit(tenant, raw, ask, target, None, cancel)
         seqs = await self.result(tenant, rid)
         return render.response(ask, rid, int(time.time()), seqs, self.text)
 
-    def stream(self, tenant: Tenant, raw: Any, chat: bool) -> AsyncIterator[str]:
+    def stream(
+        self, tenant: Tenant, raw: Any, chat: bool, cancel: threading.Event | None = None
+    ) -> AsyncIterator[str]:
         """Everything that can fail at the door fails here, before the stream starts (as an
-        ordinary JSON error); the returned iterator yields the server-sent events."""
+        ordinary JSON error); the returned iterator yields the server-sent events. However
+        the iterator ends before the result (the client gone, the stream closed), `cancel`
+        is set: the sample stops."""
         ask, target = self.parse(tenant, raw, chat)
         queue: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
         hook = StreamHook(asyncio.get_running_loop(), queue)
-        rid = self.submit(tenant, raw, ask, target, hook)
-        return self._events(tenant, ask, rid, hook, queue)
+        cancel = cancel if cancel is not None else threading.Event()
+        rid = self.submit(tenant, raw, ask, target, hook, cancel)
+        return self._events(tenant, ask, rid, hook, queue, cancel)
 
     async def _events(
         self,
@@ -178,6 +222,7 @@ class Completions:
         rid: str,
         hook: StreamHook,
         queue: asyncio.Queue[tuple[int, int]],
+        cancel: threading.Event,
     ) -> AsyncIterator[str]:
         created = int(time.time())
         live = [Incremental(self.text) for _ in range(ask.n)]
@@ -234,6 +279,8 @@ class Completions:
             yield "data: [DONE]\n\n"
         finally:
             hook.close()
+            if not done.done():
+                cancel.set()  # ended before the result: nobody wants the rest
             if getter is not None:
                 getter.cancel()
             done.cancel()

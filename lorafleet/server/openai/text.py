@@ -54,7 +54,10 @@ class Text:
     def encode(self, prompt: str) -> list[int]:
         return list(self.tokenizer()(prompt)["input_ids"])
 
-    def chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def chat(self, messages: list[dict[str, str]], max_bytes: int) -> list[int]:
+        """The template's prompt, tokenized; the template's own output (which adds roles and
+        markers to the messages, and may repeat them) is held to `max_bytes` before the
+        tokenizer runs, as the messages were."""
         tok = self.tokenizer()
         if not getattr(tok, "chat_template", None):
             raise OpenAIError(
@@ -62,10 +65,20 @@ class Text:
                 "turned into a prompt; use /v1/completions with a prompt",
                 "messages",
             )
-        out = tok.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=True
-        )
-        return list(out["input_ids"])
+        rendered = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        if not isinstance(rendered, str):
+            raise TypeError(f"the chat template rendered {type(rendered).__name__}, not text")
+        size = len(rendered.encode("utf-8"))
+        if size > max_bytes:
+            raise OpenAIError(
+                f"the chat template's output for these messages is {size} bytes, more than this "
+                f"server's limit of {max_bytes} bytes of text per request (max_prompt_bytes); "
+                "send fewer or shorter messages",
+                "messages",
+                code="context_length_exceeded",
+            )
+        # what apply_chat_template(tokenize=True) does: the template holds the special tokens
+        return list(tok(rendered, add_special_tokens=False)["input_ids"])
 
     def decode(self, tokens: Sequence[int]) -> str:
         return str(self.tokenizer().decode(list(tokens), skip_special_tokens=True))

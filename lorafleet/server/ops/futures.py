@@ -53,6 +53,9 @@ class Result:
     metrics: Mapping[str, float] | None = field(default=None, compare=False, repr=False)
     # A sample's tokens generated, for metering (never parsed back out of the body).
     sampled_tokens: int = field(default=0, compare=False, repr=False)
+    # prompt tokens a sample's prefill took from the prefix cache (metered apart from the rest)
+    cached_prompt_tokens: int = field(default=0, compare=False, repr=False)
+    prefill_tokens: int = field(default=0, compare=False, repr=False)  # (samples, for metering)
 
     @staticmethod
     def json(obj: object) -> Result:
@@ -62,9 +65,20 @@ class Result:
 
     @staticmethod
     def proto(
-        body: bytes, metrics: Mapping[str, float] | None = None, sampled_tokens: int = 0
+        body: bytes,
+        metrics: Mapping[str, float] | None = None,
+        sampled_tokens: int = 0,
+        cached_prompt_tokens: int = 0,
+        prefill_tokens: int = 0,
     ) -> Result:
-        return Result(PROTOBUF, body, metrics=metrics, sampled_tokens=sampled_tokens)
+        return Result(
+            PROTOBUF,
+            body,
+            metrics=metrics,
+            sampled_tokens=sampled_tokens,
+            cached_prompt_tokens=cached_prompt_tokens,
+            prefill_tokens=prefill_tokens,
+        )
 
     @staticmethod
     def error(err: ApiError) -> Result:

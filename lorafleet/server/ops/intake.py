@@ -22,6 +22,7 @@ the door would leave a gap that the model's later requests wait on.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 from lorafleet.server.errors import Conflict, UserError
@@ -125,28 +126,34 @@ class Intake:
                 return Promise(prior, place.model_id)
         request_id = ids.new_request_id()
         failed_now = isinstance(op, Refused) and not place.ordered
-        reserved: dict[str, float] = {}
-        if self.quotas is not None and not isinstance(op, Refused):
-            try:
-                reserved = self.quotas.check(tenant.id, op, place.model_id)
-            except QuotaExceeded as exc:
-                if place.ordered:
-                    # The refusal still takes the seq_id's place (a failed operation), so the
-                    # model's later requests do not wait on a gap for a call never retried.
-                    self.submit(tenant, Refused(exc, op.kind), place, fingerprint)
-                raise
-        if self.admission is not None and not failed_now:
-            limit = (
-                None if self.quotas is None else self.quotas.tenancy.quotas(tenant.id).queued_ops
-            )
-            self.admission.admit(
-                tenant.id,
-                request_id,
-                place.model_id,
-                place.seq_id if place.ordered else None,
-                limit,
-                reserved,
-            )
+        # The quota check and the admission that holds its reservation are one step under the
+        # quotas' lock: concurrent requests cannot both pass against the same headroom.
+        with self.quotas.lock if self.quotas is not None else nullcontext():
+            reserved: dict[str, float] = {}
+            if self.quotas is not None and not isinstance(op, Refused):
+                try:
+                    reserved = self.quotas.check(tenant.id, op, place.model_id)
+                except QuotaExceeded as exc:
+                    if place.ordered:
+                        # The refusal still takes the seq_id's place (a failed operation), so
+                        # the model's later requests do not wait on a gap for a call never
+                        # retried.
+                        self.submit(tenant, Refused(exc, op.kind), place, fingerprint)
+                    raise
+            if self.admission is not None and not failed_now:
+                limit = (
+                    None
+                    if self.quotas is None
+                    else self.quotas.tenancy.quotas(tenant.id).queued_ops
+                )
+                self.admission.admit(
+                    tenant.id,
+                    request_id,
+                    place.model_id,
+                    place.seq_id if place.ordered else None,
+                    limit,
+                    reserved,
+                )
         try:
             self.futures.create(
                 request_id,

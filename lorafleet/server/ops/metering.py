@@ -1,9 +1,14 @@
 """What each tenant and run used, counted as the engine works and kept in SQLite.
 
 Counters, per tenant, run and UTC day:
-- `prefill_tokens`: prompt tokens of sample requests (once per request: its rows share the
-  prompt) and input tokens of forward-only calls;
-- `sampled_tokens`: tokens generated;
+- `prefill_tokens`: prompt tokens of sample requests that were computed (once per request: its
+  rows share the prompt) and input tokens of forward-only calls;
+- `cached_prefill_tokens`: prompt tokens of sample requests read from the sampler's prefix
+  cache instead (the response's `prompt_cache_hit_tokens`), counted apart because they cost
+  a copy, not a forward pass;
+- `sampled_tokens`: tokens generated
+  (a sample that fails or is cancelled is charged the prompt it prefilled and the tokens it
+  drew before it ended: work done, not only work that succeeded);
 - `trained_tokens`: input tokens of forward_backward calls;
 - `optimizer_steps`;
 - `compute_seconds`: each engine batch's wall time shared among its requests by their tokens
@@ -53,6 +58,7 @@ log = logging.getLogger(__name__)
 
 COUNTERS = (
     "prefill_tokens",
+    "cached_prefill_tokens",
     "sampled_tokens",
     "trained_tokens",
     "optimizer_steps",
@@ -138,8 +144,11 @@ def _counts(job: Job, tokens: int, result: Result | None) -> dict[Meter, float]:
         case Sample():
             if result is None:
                 return {}
+            # what it did, whether it succeeded, failed or was cancelled (work done is charged)
+            cached = min(result.cached_prompt_tokens, result.prefill_tokens)
             return {
-                Meter.PREFILL_TOKENS: float(len(op.prompt)),
+                Meter.PREFILL_TOKENS: float(result.prefill_tokens - cached),
+                Meter.CACHED_PREFILL_TOKENS: float(cached),
                 Meter.SAMPLED_TOKENS: float(result.sampled_tokens),
             }
         case (
@@ -217,7 +226,9 @@ class Metering:
     ) -> None:
         """The scheduler's hook after each engine batch (worker thread): `work` shared the
         batch's `seconds`, each job with the tokens it ran in it (0: not measured there);
-        `finished` are the jobs it completed. A job that failed counts nothing but its time."""
+        `finished` are the jobs it completed. A failed job counts its time, and a sample also
+        the tokens it prefilled and drew before it failed or was cancelled (the sampler tells
+        them with its result): work done is charged, not only work that succeeded."""
         results = {job.request_id: result for job, result in finished}
         shares = [(job, _share(job, tokens)) for job, tokens in work]
         total = sum(share for _, share in shares)
@@ -226,7 +237,7 @@ class Metering:
                 self.record(job.tenant, _run_of(job), "compute_seconds", seconds * share / total)
         for job, tokens in work:
             result = results.get(job.request_id)
-            if result is not None and result.failed:
+            if result is not None and result.failed and not isinstance(job.op, Sample):
                 continue
             if stage is Stage.TRAIN or result is not None:
                 for meter, amount in _counts(job, tokens, result).items():

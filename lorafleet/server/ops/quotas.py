@@ -12,12 +12,21 @@ tokens; `num_samples x max_tokens` for a sample) plus what the tenant's admitted
 requests may still use (admission.py), so concurrent requests cannot together pass the limit.
 A save is checked against the bytes the tenant stores now plus the likely size of the new
 checkpoint (store.checkpoints.size_estimate), so storage can pass the limit only by the error
-of that estimate.
+of that estimate; a `copy_weights` reserves its source's size until its copy is written.
+
+Every check reserves at admission: the check and the reservation happen under one lock
+(`Quotas.lock`, held by intake.py across the check and `Admission.admit`; `reserve_storage`
+for copies), so two concurrent requests can never both pass against the same headroom. A
+reservation is held until the work ends, failed or not (admission.py drops it once the
+request's future is no longer pending; by then metering has counted what it did).
 """
 
 from __future__ import annotations
 
 import math
+import threading
+from collections.abc import Callable
+from itertools import count
 from typing import assert_never
 
 from lorafleet.server.errors import ApiError
@@ -79,6 +88,11 @@ class Quotas:
         self.admission = admission
         self.context_length = context_length
         self.refused = 0
+        # held across a check and its reservation (intake.py, `reserve_storage`): re-entrant,
+        # since a refusal records its failed seq_id through the same intake
+        self.lock = threading.RLock()
+        self._storage_held: dict[int, tuple[str, int]] = {}  # copies in flight: tenant, bytes
+        self._tickets = count()
 
     def _refuse(
         self, tenant: str, quota: str, limit: int, used: float, needs: float, when: str = ""
@@ -139,13 +153,32 @@ class Quotas:
             case _:
                 assert_never(op)
 
+    def reserve_storage(self, tenant: str, needs: int) -> Callable[[], None]:
+        """Checks and reserves `needs` bytes of checkpoint storage for work outside the queues
+        (a copy); returns the release, to call once the checkpoint's row is written or the
+        work failed. Raises QuotaExceeded."""
+        with self.lock:
+            self.check_storage(tenant, needs)
+            ticket = next(self._tickets)
+            self._storage_held[ticket] = (tenant, needs)
+
+        def release() -> None:
+            with self.lock:
+                self._storage_held.pop(ticket, None)
+
+        return release
+
     def check_storage(self, tenant: str, needs: int) -> None:
         """A new checkpoint of about `needs` bytes (a save, or a copy of one)."""
         limit = self.tenancy.quotas(tenant).storage_bytes
         if limit is None:
             return
-        used = sum(size for _t, _r, size in self.store.checkpoints.bytes_per_run(tenant)) + (
-            self.admission.reserved(tenant, "storage_bytes")
+        with self.lock:
+            held = sum(size for who, size in self._storage_held.values() if who == tenant)
+        used = (
+            sum(size for _t, _r, size in self.store.checkpoints.bytes_per_run(tenant))
+            + self.admission.reserved(tenant, "storage_bytes")
+            + held
         )
         if used + needs > limit or used >= limit:
             raise self._refuse(tenant, "storage_bytes", limit, used, needs, " in checkpoints")

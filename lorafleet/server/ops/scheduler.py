@@ -10,6 +10,9 @@ model has run. Across models there is no order, which is what lets one round of 
    round-robin, a call too large for its tenant's turn running in chunks of its datums over
    several rounds (its gradients accumulate in the slot, as Tinker's calls do until optim_step;
    its result is combined once the last chunk ran, and the model's later seq_ids wait for that);
+   a tenant alone on the server gets rounds of `solo_round_token_budget` instead (`_alone`), since
+   the small budget only bounds other tenants' wait and each cut cost it the shared history of
+   its multi-turn datums;
 3. ONE optimizer call for every model whose head is now an optim_step (the fwd/bwd just run
    usually put it there);
 4. new samples join the sampler's running batch (continuous batching: requests that arrive
@@ -49,6 +52,7 @@ from lorafleet.server.ops.types import (
     Forward,
     ForwardBackward,
     Job,
+    Sample,
     Stage,
     TrainOp,
     train_op,
@@ -73,6 +77,18 @@ DEFAULT_ROUND_TOKENS = 512
 `--round-token-budget`). A round is what another tenant's step may wait behind, so it bounds
 that wait; fewer tokens cost more rounds' fixed overhead. 512 suits the tiny CPU models; an
 accelerator running a real model wants many times more."""
+DEFAULT_SOLO_ROUND_TOKENS = 16384
+"""Tokens of forward(_backward) work a round may run while one tenant is alone on the server
+(ServerConfig.solo_round_token_budget, `--solo-round-token-budget`). The small budget exists to
+bound other tenants' wait; with no one else to wait, it only cost the lone tenant: a
+guess_number step (160 turn-datums, 8.1k tokens counted after sharing) ran in 17 rounds, and
+each cut between an episode's turns recomputed the history the trainer shares among them (23.5k
+tokens forwarded against 10.4k in one round; docs/performance.md, "What the server costs over
+the engine")."""
+SOLO_AFTER_S = 10.0
+"""A tenant counts as alone once no other tenant has had an operation queued, running or
+finished for this long: tenants stepping in a loop (sample, train, step) stay present between
+their requests, so a lone round never lands between two steps of a neighbour."""
 STATS_WINDOW_S = 10.0  # rounds per second and tokens per round are over this much recent time
 
 
@@ -162,6 +178,7 @@ class Stats:
     max_batch_clients: Counter[str] = field(default_factory=Counter)
     train_tokens: int = 0  # datum tokens run in forward(_backward) batches
     split_ops: int = 0  # forward(_backward) calls run in more than one chunk
+    solo_rounds: int = 0  # rounds that ran training work under the solo budget
     chunks: int = 0  # their chunks
     # tenant -> the most rounds one of its forward(_backward) calls waited, submission to result
     train_wait_rounds: dict[str, int] = field(default_factory=dict)
@@ -178,6 +195,7 @@ class Stats:
             "round_errors": self.round_errors,
             "train_tokens": self.train_tokens,
             "split_ops": self.split_ops,
+            "solo_rounds": self.solo_rounds,
             "chunks": self.chunks,
             "train_wait_rounds": dict(self.train_wait_rounds),
         }
@@ -197,6 +215,8 @@ class Scheduler:
         disk_guard: DiskGuard | None = None,
         stall_s: float = 600.0,
         round_token_budget: int = DEFAULT_ROUND_TOKENS,
+        solo_round_token_budget: int | None = None,
+        solo_after_s: float = SOLO_AFTER_S,
         quantum: int | None = None,
         weight_of: Callable[[str], float] = lambda tenant: 1.0,
         max_round_models: int | None = None,
@@ -209,11 +229,27 @@ class Scheduler:
         tenant, and a round touches at most `max_round_models` models. A training call counts
         what its op measured when it was parsed (`TrainCall.datum_costs`: a datum's tokens past
         what the call's earlier datums share with it, so that the turns of an episode run in
-        one round and share their prefixes; fair_share.datum_costs)."""
+        one round and share their prefixes; fair_share.datum_costs).
+
+        `solo_round_token_budget` (None or 0: off): the budget of a round whose training work
+        is one tenant's while no other tenant has had an operation queued, running or finished
+        for `solo_after_s` seconds (`_alone`); never below `round_token_budget`."""
         if not isinstance(round_token_budget, int) or round_token_budget < 1:
             raise ValueError(
                 f"round_token_budget must be a positive number of tokens, got {round_token_budget!r}"
             )
+        if solo_round_token_budget is not None and (
+            not isinstance(solo_round_token_budget, int) or solo_round_token_budget < 0
+        ):
+            raise ValueError(
+                "solo_round_token_budget must be a number of tokens >= 0 (0: off), got "
+                f"{solo_round_token_budget!r}"
+            )
+        if not solo_after_s >= 0:
+            raise ValueError(f"solo_after_s must be >= 0 seconds, got {solo_after_s!r}")
+        self.solo_round_token_budget = max(solo_round_token_budget or 0, round_token_budget)
+        self.solo_after_s = solo_after_s
+        self._seen: dict[str, float] = {}  # tenant -> when it last submitted or finished an op
         if max_round_models is not None and max_round_models < 1:
             raise ValueError(f"max_round_models must be >= 1, got {max_round_models!r}")
         self.round_token_budget = round_token_budget
@@ -306,6 +342,7 @@ class Scheduler:
             costs = tuple(max(1, n) for n in job.op.datum_costs) or (1,)
             progress = _TrainProgress(sizes, costs, self.stats.rounds)
         with self._cond:
+            self._seen[job.tenant] = time.monotonic()
             if self._died:
                 error = ServerFault(ENGINE_DEAD)
             elif job.seq_id is None:
@@ -482,6 +519,8 @@ class Scheduler:
                     self._dequeue(job)  # a split call's chunk: the call fails as a whole
             error = self._failure("running the request", exc)
             for job in jobs:
+                if isinstance(job.op, Sample) and job.op.cancel is not None:
+                    job.op.cancel.set()  # its rows, if still in the sampler, leave at its next step
                 self._finish(job, error)
         finally:
             self._round_began = None
@@ -654,8 +693,12 @@ class Scheduler:
                         )
                     )
                     jobs[job.request_id] = job
+            budget = self.round_token_budget
+            if budget < self.solo_round_token_budget and len(ready) == 1 and self._alone(*ready):
+                budget = self.solo_round_token_budget
+                self.stats.solo_rounds += 1
             chunks: list[TrainChunk] = []
-            for take in self.fair.plan(ready, self.round_token_budget, self.max_round_models):
+            for take in self.fair.plan(ready, budget, self.max_round_models):
                 job = jobs[take.key]
                 progress = self._train[take.key]
                 chunks.append(
@@ -673,6 +716,20 @@ class Scheduler:
                 if take.stop >= len(progress.sizes):
                     self._dequeue(job)
         return chunks
+
+    def _alone(self, tenant: str) -> bool:
+        """Whether `tenant` is the only tenant present (caller holds the lock, on the worker):
+        no other tenant has an operation queued, in the sampler's batch, or submitted or
+        finished within `solo_after_s`. Forgets tenants not seen for that long."""
+        now = time.monotonic()
+        for other, seen in list(self._seen.items()):
+            if now - seen >= self.solo_after_s:
+                del self._seen[other]
+        if any(other != tenant for other in self._seen):
+            return False
+        queued = [job for q in self._queues.values() for job in q.values()] + self._unordered
+        running = [job for job, _ in self._sampling] + list(self._in_round.values())
+        return all(job.tenant == tenant for job in queued + running)
 
     def _dequeue(self, job: Job) -> None:
         """Takes `job` out of its model's queue, if there, past it the model's next seq (caller
@@ -772,6 +829,7 @@ class Scheduler:
         trained = [n for _, n in recent if n > 0]
         return {
             "round_token_budget": self.round_token_budget,
+            "solo_round_token_budget": self.solo_round_token_budget,
             "quantum": self.fair.quantum,
             "max_round_models": self.max_round_models,
             "turn_order": order,
@@ -848,6 +906,7 @@ class Scheduler:
         """Hands `result` to the job's future. Never raises: should recording it fail in a way
         the table did not handle, the client still gets an error from memory."""
         with self._cond:
+            self._seen[job.tenant] = time.monotonic()
             progress = self._train.pop(job.request_id, None)
             if progress is not None:
                 waits = self.stats.train_wait_rounds

@@ -20,6 +20,7 @@ its attributes.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -56,7 +57,8 @@ class Quota(Enum):
 class Meter(Enum):
     """Usage counters besides compute seconds, which every op's batch shares (metering.py)."""
 
-    PREFILL_TOKENS = "prefill_tokens"
+    PREFILL_TOKENS = "prefill_tokens"  # prompt tokens computed
+    CACHED_PREFILL_TOKENS = "cached_prefill_tokens"  # prompt tokens read from the prefix cache
     SAMPLED_TOKENS = "sampled_tokens"
     TRAINED_TOKENS = "trained_tokens"
     OPTIMIZER_STEPS = "optimizer_steps"
@@ -252,6 +254,15 @@ class PromptTargets:
 
 
 @dataclass(frozen=True)
+class Recording:
+    """A sample taken with `record_stability_info=true`: whose session its record belongs to
+    and the tenant's record quota in bytes (server/ops/stability.py)."""
+
+    session_id: str
+    quota_bytes: int
+
+
+@dataclass(frozen=True)
 class Sample:
     prompt: list[int]
     params: SamplingParams
@@ -264,14 +275,20 @@ class Sample:
     checkpoint_path: str | None  # tinker path whose files back `adapter` (None: ephemeral)
     targets: PromptTargets | None = None
     alt_k: int = 0  # prompt_alt_tokens_k
+    record: Recording | None = None  # record_stability_info: keep a stability record
     # Progress for a streaming caller (the OpenAI routes); never part of the request's identity.
     on_token: TokenHook | None = field(default=None, compare=False, repr=False)
+    # Set when the client is gone (a closed stream, an abandoned long-poll): the sampler drops
+    # the request's rows at its next step; the tokens it produced are still metered.
+    cancel: threading.Event | None = field(default=None, compare=False, repr=False)
 
     kind: ClassVar[str] = "sample"
     stage: ClassVar[Stage] = Stage.SAMPLE
     writes_disk: ClassVar[bool] = False
     quota: ClassVar[Quota] = Quota.SAMPLED_TOKENS
-    meters: ClassVar[frozenset[Meter]] = frozenset({Meter.PREFILL_TOKENS, Meter.SAMPLED_TOKENS})
+    meters: ClassVar[frozenset[Meter]] = frozenset(
+        {Meter.PREFILL_TOKENS, Meter.CACHED_PREFILL_TOKENS, Meter.SAMPLED_TOKENS}
+    )
 
 
 # --------------------------------------------------------------------------- the union

@@ -121,7 +121,7 @@ def test_a_schema_2_database_gains_the_usage_table(tmp_path):
     with sqlite3.connect(path) as db:
         version = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
         tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-    assert int(version[0]) == SCHEMA_VERSION == 4
+    assert int(version[0]) == SCHEMA_VERSION == 5
     assert {"usage", "aliases", "run_metrics"} <= tables
 
 

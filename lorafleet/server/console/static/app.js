@@ -143,6 +143,7 @@ $("#operator-tab").addEventListener("click", () => switchView("operator"));
 function selectRun(id) {
   state.run = id;
   state.lastRun = "";
+  state.series = null;
   state.lastCkpts = "";
   $("#run-title").textContent = id;
   $("#run-detail").hidden = false;
@@ -241,12 +242,40 @@ function renderUsage(u) {
 
 function fmtNum(v) { return Number.isInteger(v) ? v.toLocaleString() : Number(v.toPrecision(4)).toLocaleString(); }
 
+// The server sends a run's curves whole first (`series`), then only the points after those it
+// sent (`series_delta`); the page appends them, skipping steps it holds, and thins a curve that
+// grows past twice MAX_POINTS by dropping every other point of it.
+const MAX_POINTS = 1000;
+
+function mergeSeries(held, delta) {
+  const byKey = new Map(held.map((c) => [`${c.name}\u0000${c.source}`, c]));
+  for (const d of delta) {
+    const key = `${d.name}\u0000${d.source}`;
+    let curve = byKey.get(key);
+    if (!curve) {
+      curve = { name: d.name, source: d.source, points: [] };
+      byKey.set(key, curve);
+      held.push(curve);
+    }
+    const lastStep = curve.points.length ? curve.points[curve.points.length - 1][0] : -1;
+    for (const p of d.points) if (p[0] > lastStep) curve.points.push(p);
+    if (curve.points.length > 2 * MAX_POINTS) {
+      const newest = curve.points[curve.points.length - 1];
+      curve.points = curve.points.filter((_, i) => i % 2 === 0);
+      if (curve.points[curve.points.length - 1] !== newest) curve.points.push(newest);
+    }
+  }
+  return held;
+}
+
 function renderRun(r) {
   if (r.id !== state.run) return;
-  const series = JSON.stringify(r.series);
+  if (r.series) state.series = r.series.map((c) => ({ ...c, points: c.points.slice() }));
+  else if (r.series_delta) state.series = mergeSeries(state.series || [], r.series_delta);
+  const series = JSON.stringify(state.series || []);
   if (series !== state.lastRun) {
     state.lastRun = series;
-    lineChart($("#curve"), r.series);
+    lineChart($("#curve"), state.series || []);
   }
   const ckpts = JSON.stringify(r.checkpoints);
   if (ckpts === state.lastCkpts) return;  // keeps a TTL being typed

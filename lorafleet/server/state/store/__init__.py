@@ -1,5 +1,5 @@
 """SQLite persistence for what must outlive the process: sessions, models, futures,
-checkpoints, sampling sessions, usage, aliases and run metrics.
+checkpoints, sampling sessions, usage, aliases, run metrics and stability records.
 
 Adapter weights live in files (state/paths.py); this database only says who owns what and
 where it is. `Store` opens the one connection (database.py: schema, migrations, the lock and
@@ -22,6 +22,7 @@ from lorafleet.server.state.store.models import ModelRow, ModelsTable
 from lorafleet.server.state.store.run_metrics import RunMetricsTable
 from lorafleet.server.state.store.sampling_sessions import SamplingSessionRow, SamplingSessionsTable
 from lorafleet.server.state.store.sessions import SessionRow, SessionsTable
+from lorafleet.server.state.store.stability_records import StabilityRecordsTable
 from lorafleet.server.state.store.usage import UsageTable
 
 __all__ = [
@@ -52,6 +53,7 @@ class Store:
         self.usage = UsageTable(self.database)
         self.aliases = AliasesTable(self.database)
         self.run_metrics = RunMetricsTable(self.database)
+        self.stability_records = StabilityRecordsTable(self.database)
 
     @property
     def path(self) -> Path:

@@ -27,9 +27,10 @@ from typing import Any, TypeVar
 from lorafleet.server.state import disk
 
 _T = TypeVar("_T")
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """1: checkpoint dirs absolute; 2: relative to the data dir; 3: the usage table (metering);
-4: model aliases (OpenAI routes) and run metrics (console curves)."""
+4: model aliases (OpenAI routes) and run metrics (console curves); 5: stability records
+(record_stability_info samples, for the stable_reinforce loss)."""
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -119,6 +120,22 @@ CREATE TABLE IF NOT EXISTS run_metrics (
     at REAL NOT NULL,
     PRIMARY KEY (tenant, run, name, step, source)
 );
+CREATE TABLE IF NOT EXISTS stability_records (
+    request_id TEXT PRIMARY KEY,
+    tenant TEXT NOT NULL,
+    session_id TEXT NOT NULL,
+    version TEXT NOT NULL,
+    prompt BLOB NOT NULL,
+    tokens BLOB NOT NULL,
+    logprobs BLOB NOT NULL,
+    offsets BLOB NOT NULL,
+    size_bytes INTEGER NOT NULL,
+    created_at REAL NOT NULL,
+    last_used REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS stability_records_by_tenant ON stability_records (tenant);
+CREATE INDEX IF NOT EXISTS stability_records_by_session ON stability_records (session_id);
+CREATE INDEX IF NOT EXISTS stability_records_by_use ON stability_records (last_used);
 """
 
 
@@ -202,10 +219,20 @@ def _v3_aliases_and_run_metrics(db: sqlite3.Connection) -> None:
     db.execute(_RUN_METRICS_TABLE)
 
 
+def _v4_stability_records(db: sqlite3.Connection) -> None:
+    """Records of samples taken with record_stability_info (store/stability_records.py); the
+    statements are the ones in _SCHEMA, which creates them for a new database."""
+    start = _SCHEMA.index("CREATE TABLE IF NOT EXISTS stability_records")
+    for statement in _SCHEMA[start:].split(";"):
+        if statement.strip():
+            db.execute(statement)
+
+
 _MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
     1: _v1_relative_dirs,
     2: _v2_usage_table,
     3: _v3_aliases_and_run_metrics,
+    4: _v4_stability_records,
 }
 """schema version -> the step to the next one; all steps run in one transaction at open."""
 
