@@ -721,6 +721,14 @@ def _cycle(values: str, count: int, cast: Callable[[str], object], flag: str) ->
         raise ValueError(f"{flag} {values!r}: every value must be a {cast.__name__}") from None
 
 
+def tenant_name(index: int, task: str) -> str:
+    """`t1-rg-chain_sum` for `rg:chain_sum:max_terms=3`: the task without its options, which
+    would make long names with `=` in them (names become directory names)."""
+    kind, _, rest = task.partition(":")
+    short = f"{kind}-{rest.split(':')[0]}" if kind == "rg" else task.replace(":", "-")
+    return f"t{index}-{short}"
+
+
 def _cmd_rl(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -738,7 +746,7 @@ def _cmd_rl(args: argparse.Namespace) -> int:
     )
     tenants = [
         TenantConfig(
-            name=f"t{i}-{tasks[i].replace(':', '-')}",
+            name=tenant_name(i, tasks[i]),
             task=tasks[i],
             learning_rate=lrs[i],
             rank=ranks[i],
@@ -767,6 +775,8 @@ def _cmd_rl(args: argparse.Namespace) -> int:
         torch_threads=args.torch_threads,
         rollout=rollout,
         device=args.device,
+        eval_every=args.eval_every,
+        eval_prompts=args.eval_prompts,
         max_steps_off_policy=args.max_steps_off_policy,
         numerics=_say_numerics(args.numerics),
     )
@@ -791,11 +801,14 @@ def _register_rl(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--tasks",
-        default="arithmetic,rg:chain_sum",
-        help="comma list, cycled over tenants: arithmetic[:MAX], tag[:MAX], rg:<reasoning-gym task>",
+        default="arithmetic,rg:chain_sum:max_terms=3:max_digits=1",
+        help="comma list, cycled over tenants: arithmetic[:MAX], tag[:MAX], "
+        "rg:<reasoning-gym task>[:field=value...] (default: the README job's, %(default)s)",
     )
     parser.add_argument(
-        "--lr", default="5e-4", help="learning rate(s), comma list cycled over tenants"
+        "--lr",
+        default="5e-4,1e-3",
+        help="learning rate(s), comma list cycled over tenants (default: %(default)s)",
     )
     parser.add_argument("--rank", default="8", help="LoRA rank(s), comma list cycled over tenants")
     parser.add_argument(
@@ -833,6 +846,20 @@ def _register_rl(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=0, help="tenant i uses seed+i")
     parser.add_argument(
         "--save-every", type=int, default=5, help="save_state + sampler export every N steps"
+    )
+    parser.add_argument(
+        "--eval-every",
+        type=int,
+        default=5,
+        help="held-out greedy accuracy before the first update, every N steps and after the "
+        "last (0: none; default %(default)s)",
+    )
+    parser.add_argument(
+        "--eval-prompts",
+        type=int,
+        default=32,
+        help="held-out problems per tenant, drawn from an evaluation seed and never trained "
+        "on (default %(default)s)",
     )
     parser.add_argument(
         "--run-dir", default="runs/rl", help="metrics, curve, checkpoints record, PEFT adapters"

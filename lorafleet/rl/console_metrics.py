@@ -17,7 +17,14 @@ import httpx
 
 log = logging.getLogger(__name__)
 
-POSTED = ("reward_mean", "reward_std", "tag_rate", "loss_per_token")
+POSTED = (
+    "reward_mean",
+    "reward_std",
+    "tag_rate",
+    "loss_per_token",
+    "eval_accuracy",  # held-out rows (rl/evaluation.py)
+    "eval_reward",
+)
 TIMEOUT_S = 10.0
 
 

@@ -1,15 +1,19 @@
 """Reward environments: seeded problem generators plus scorers, all offline.
 
 Every env asks for the final answer inside `<answer>...</answer>` so one extractor serves all of
-them, and a small model gets a learnable signal (the format) before it gets the content right.
-A correct tagged answer earns 1; a correct number left untagged earns `partial` (shaping that
-gives a 135M model a gradient from the first step).
+them. A correct tagged answer earns 1; a correct number left untagged earns `partial` (shaping
+that gives a 135M model a gradient from the first step: in the README job's 10 steps SmolLM2
+learns mostly to state the right number, rarely the tag; docs/learning.md). The instruction
+shows the tag with no number in it: an example answer (`<answer>42</answer>`) was copied
+verbatim by the model, and a tagged wrong number scores below an untagged right one.
+`correct` is the unshaped check held-out evaluation counts (rl/evaluation.py).
 """
 
 from __future__ import annotations
 
 import random
 import re
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -17,7 +21,10 @@ ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 NUMBER_RE = re.compile(r"-?\d+")
 # The system turn `lorafleet rl` gives every prompt (rl/loop.py TenantConfig.system_prompt).
 DEFAULT_SYSTEM_PROMPT = "Answer briefly."
-INSTRUCTION = "Put only the final answer inside <answer></answer>, for example <answer>42</answer>."
+# reasoning-gym config values settable from a task string (rg_options)
+RgValue = int | float | bool | str
+SCALARS: tuple[type, ...] = (int, float, bool, str)
+INSTRUCTION = "Write the final answer as <answer>number</answer>."
 
 
 @dataclass(frozen=True)
@@ -33,12 +40,29 @@ def extract_answer(completion: str) -> str | None:
     return None if match is None else match.group(1).strip()
 
 
+def final_answer(completion: str) -> str | None:
+    """What an evaluation reads as the answer: the tagged one, else the last number (the usual
+    fallback of math evals, GSM8K's among them); None when there is neither."""
+    tagged = extract_answer(completion)
+    if tagged is not None:
+        return tagged
+    numbers = NUMBER_RE.findall(completion)
+    return numbers[-1] if numbers else None
+
+
 class Env(Protocol):
     name: str
 
     def problems(self, rng: random.Random, count: int) -> list[Problem]: ...
 
-    def score(self, problem: Problem, completion: str) -> float: ...
+    def score(self, problem: Problem, completion: str) -> float:
+        """The training reward, shaping included."""
+        ...
+
+    def correct(self, problem: Problem, completion: str) -> bool:
+        """Held-out accuracy (rl/evaluation.py): the `final_answer` is right. Unshaped: the
+        partial credit for a right number somewhere in the text does not count."""
+        ...
 
 
 def _numbers_equal(got: str, want: str) -> bool:
@@ -77,6 +101,10 @@ class ArithmeticEnv:
             return 1.0
         return self.partial * float(problem.answer in NUMBER_RE.findall(completion))
 
+    def correct(self, problem: Problem, completion: str) -> bool:
+        got = final_answer(completion)
+        return got is not None and _numbers_equal(got, problem.answer)
+
 
 @dataclass
 class TagEnv:
@@ -93,6 +121,9 @@ class TagEnv:
         got = extract_answer(completion)
         return float(got is not None and re.fullmatch(r"-?\d+(\.\d+)?", got) is not None)
 
+    def correct(self, problem: Problem, completion: str) -> bool:
+        return self.score(problem, completion) == 1.0  # the format is the whole task
+
 
 @dataclass
 class ReasoningGymEnv:
@@ -104,6 +135,8 @@ class ReasoningGymEnv:
     task: str
     partial: float = 0.5
     name: str = ""
+    # the task's own config fields (`rg:chain_sum:max_terms=3:max_digits=1`), already typed
+    options: dict[str, RgValue] = field(default_factory=dict)
     _module: Any = field(default=None, repr=False)
     _scorer: Any = field(default=None, repr=False)
 
@@ -115,14 +148,16 @@ class ReasoningGymEnv:
                 f"task 'rg:{self.task}' needs reasoning-gym: .venv/bin/pip install reasoning-gym==0.1.25 ({exc})"
             ) from None
         self._module = reasoning_gym
-        self.name = f"rg:{self.task}"
+        self.name = ":".join([f"rg:{self.task}", *(f"{k}={v}" for k, v in self.options.items())])
         try:
-            self._scorer = reasoning_gym.create_dataset(self.task, size=1, seed=0)
-        except (KeyError, ValueError) as exc:
-            raise ValueError(f"unknown reasoning-gym task {self.task!r}: {exc}") from None
+            self._scorer = reasoning_gym.create_dataset(self.task, size=1, seed=0, **self.options)
+        except (KeyError, ValueError, AssertionError) as exc:
+            raise ValueError(f"reasoning-gym task {self.name!r}: {exc}") from None
 
     def problems(self, rng: random.Random, count: int) -> list[Problem]:
-        dataset = self._module.create_dataset(self.task, size=count, seed=rng.randrange(1 << 31))
+        dataset = self._module.create_dataset(
+            self.task, size=count, seed=rng.randrange(1 << 31), **self.options
+        )
         return [
             Problem(f"{entry['question']}\n{INSTRUCTION}", str(entry["answer"]), entry)
             for entry in dataset
@@ -139,17 +174,72 @@ class ReasoningGymEnv:
         )
         return self.partial * best
 
+    def correct(self, problem: Problem, completion: str) -> bool:
+        got = final_answer(completion)
+        return got is not None and float(self._scorer.score_answer(got, problem.entry)) >= 1.0
+
 
 BUILTIN = {"arithmetic": ArithmeticEnv, "tag": TagEnv}
 
 
+def rg_options(task: str, spec: str) -> tuple[str, dict[str, RgValue]]:
+    """`chain_sum:max_terms=3:max_digits=1` -> ("chain_sum", {"max_terms": 3, "max_digits": 1}).
+
+    Each value is converted to its field's type in the task's config dataclass, so a typo in a
+    name or a value is refused here, naming it, before any server starts. Only scalar fields
+    (int, float, bool, str) can be set this way: `,` already separates tasks in `--tasks`."""
+    name, *pairs = spec.split(":")
+    if not name:
+        raise ValueError(f"task {task!r}: write rg:<name>, e.g. rg:chain_sum")
+    try:
+        from reasoning_gym.factory import DATASETS
+    except ImportError as exc:
+        raise ValueError(
+            f"task {task!r} needs reasoning-gym: .venv/bin/pip install reasoning-gym==0.1.25 ({exc})"
+        ) from None
+    if name not in DATASETS:
+        raise ValueError(f"task {task!r}: reasoning-gym has no task {name!r}")
+    config_cls = DATASETS[name][1]
+    hints = typing.get_type_hints(config_cls)
+    options: dict[str, RgValue] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"task {task!r}: {pair!r} is not key=value")
+        if key in ("seed", "size") or key not in hints:
+            settable = sorted(
+                k for k, t in hints.items() if t in SCALARS and k not in ("seed", "size")
+            )
+            raise ValueError(
+                f"task {task!r}: {key!r} is not a settable field of {name}; use one of {', '.join(settable)}"
+            )
+        kind = hints[key]
+        if kind not in SCALARS:
+            raise ValueError(f"task {task!r}: field {key!r} is not int, float, bool or str")
+        options[key] = _convert(task, key, raw, kind)
+    return name, options
+
+
+def _convert(task: str, key: str, raw: str, kind: type) -> RgValue:
+    if kind is bool:
+        if raw.lower() not in ("true", "false", "1", "0"):
+            raise ValueError(f"task {task!r}: {key}={raw!r} must be true or false")
+        return raw.lower() in ("true", "1")
+    if kind is str:
+        return raw
+    try:
+        return int(raw) if kind is int else float(raw)
+    except ValueError:
+        raise ValueError(f"task {task!r}: {key}={raw!r} must be {kind.__name__}") from None
+
+
 def make_env(task: str) -> Env:
-    """`arithmetic`, `arithmetic:50` (max operand), `tag`, or `rg:<reasoning-gym task>`."""
+    """`arithmetic`, `arithmetic:50` (max operand), `tag`, or `rg:<reasoning-gym task>` with
+    optional config fields, `rg:chain_sum:max_terms=3:max_digits=1`."""
     name, _, arg = task.partition(":")
     if name == "rg":
-        if not arg:
-            raise ValueError(f"task {task!r}: write rg:<name>, e.g. rg:chain_sum")
-        return ReasoningGymEnv(arg)
+        rg_name, options = rg_options(task, arg)
+        return ReasoningGymEnv(rg_name, options=options)
     if name not in BUILTIN:
         raise ValueError(
             f"unknown task {task!r}; use one of {', '.join(BUILTIN)} or rg:<reasoning-gym task>"

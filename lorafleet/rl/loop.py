@@ -45,7 +45,8 @@ from lorafleet.rl.connect import (
 from lorafleet.rl.console_metrics import RewardPoster
 from lorafleet.rl.datums import group_advantages, rl_datum
 from lorafleet.rl.envs import DEFAULT_SYSTEM_PROMPT, Env, extract_answer, make_env
-from lorafleet.rl.report import MetricsLog, Progress, plot_curves, print_table
+from lorafleet.rl.evaluation import HeldOut, PendingEval
+from lorafleet.rl.report import MetricsLog, Progress, plot_panels, print_table
 
 if TYPE_CHECKING:
     from lorafleet.engines import RolloutConfig
@@ -54,6 +55,7 @@ log = logging.getLogger(__name__)
 RlLoss = Literal["importance_sampling", "ppo", "stable_reinforce"]
 LOSSES: tuple[RlLoss, ...] = ("importance_sampling", "ppo", "stable_reinforce")
 StepHook = Callable[[str, dict[str, Any]], None]
+MAX_EVAL_PROMPTS = 1024  # bounds each evaluation's cost (one greedy sample per prompt)
 
 
 @dataclass
@@ -115,10 +117,34 @@ class RLConfig:
     # where the embedded server runs: auto (the first CUDA device, else the CPU), cpu, cuda,
     # cuda:N (lorafleet.hardware.resolve_device)
     device: str = "auto"
+    # Held-out evaluation (rl/evaluation.py): greedy accuracy on `eval_prompts` problems that
+    # training never sees, before the first update, every `eval_every` steps and after the
+    # last; 0 turns it off.
+    eval_every: int = 5
+    eval_prompts: int = 32
     # how many versions sampling may run ahead of training (0: synchronous, on-policy)
     max_steps_off_policy: int = 0
     # the embedded server's numerics: batch-invariant or fast (model/numerics.py)
     numerics: str = DEFAULT_NUMERICS
+
+    def validate(self) -> None:
+        """Every run-level value, named by its flag, before anything is written or started."""
+        if self.steps < 1:
+            raise ValueError(f"--steps must be >= 1, got {self.steps}")
+        if self.save_every < 1:
+            raise ValueError(f"--save-every must be >= 1, got {self.save_every}")
+        if self.eval_every < 0:
+            raise ValueError(
+                f"--eval-every must be >= 0 (0: no held-out evaluation), got {self.eval_every}"
+            )
+        if not 1 <= self.eval_prompts <= MAX_EVAL_PROMPTS:
+            raise ValueError(
+                f"--eval-prompts must be 1..{MAX_EVAL_PROMPTS}, got {self.eval_prompts}"
+            )
+        if self.max_steps_off_policy < 0:
+            raise ValueError(
+                f"--max-steps-off-policy must be >= 0, got {self.max_steps_off_policy}"
+            )
 
 
 @dataclass
@@ -180,11 +206,14 @@ class TenantRunner:
         progress: Progress,
         stop: threading.Event,
         on_step: StepHook | None = None,
+        env: Env | None = None,
+        held_out: HeldOut | None = None,
     ):
         self.cfg, self.run_cfg, self.backend, self.api_key = cfg, run, backend, api_key
         self.progress, self.stop, self.on_step = progress, stop, on_step
         self.dir = ensure_private_dir(run.run_dir / cfg.name)
-        self.env: Env = make_env(cfg.task)
+        self.env: Env = env if env is not None else make_env(cfg.task)
+        self.held_out = held_out
         self.metrics = MetricsLog(self.dir / "metrics.jsonl", resume=run.resume)
         self.result = TenantResult(cfg.name, self.metrics.rows)
         self.service: tinker.ServiceClient | None = None
@@ -246,15 +275,16 @@ class TenantRunner:
         )
         try:
             for row in rows:
-                self.metrics.append(row)
-                self.rewards.post(tc.model_id, row)
+                self._record(tc, row)
                 step += 1
-                self.progress.update(cfg.name, step, _stats(row))
-                if self.on_step is not None:
-                    self.on_step(cfg.name, row)
+                self.progress.update(cfg.name, step, _stats(self.metrics.rows))
                 if step % self.run_cfg.save_every == 0:
                     self._save(tc, step)
                     saved = step
+            if self._eval_due(step, final=True) and not self.stop.is_set():
+                row = self._final_eval(tc, tokenizer, step)
+                self._record(tc, row)
+                self.progress.update(cfg.name, step, _stats(self.metrics.rows))
         except Exception:
             if step > saved:  # keep what was learnt; the step's own error is the one to report
                 try:
@@ -269,6 +299,37 @@ class TenantRunner:
                 self.backend, self.api_key, self.result.sampler_path, self.dir / "adapter"
             )
             self.result.adapter_dir = None if exported is None else str(exported)
+
+    def _record(self, tc: tinker.TrainingClient, row: dict[str, Any]) -> None:
+        self.metrics.append(row)
+        self.rewards.post(tc.model_id, row)
+        if self.on_step is not None:
+            self.on_step(self.cfg.name, row)
+
+    def _eval_due(self, step: int, *, final: bool = False) -> bool:
+        """At step 0, every `eval_every` steps, and after the last update (`final`), unless the
+        last training row already evaluated those weights."""
+        every = self.run_cfg.eval_every
+        if self.held_out is None or every == 0:
+            return False
+        if final:
+            return not any("eval_accuracy" in r and r["step"] == step for r in self.metrics.rows)
+        return step % every == 0
+
+    def _final_eval(self, tc: tinker.TrainingClient, tokenizer: Any, step: int) -> dict[str, Any]:
+        """The weights after the last update have no training row: their evaluation is a row of
+        its own, `step` = updates applied, with eval keys only."""
+        sampler = tc.save_weights_and_get_sampling_client().result()
+        pending = self._submit_eval(sampler, tokenizer)
+        return {"step": step, **pending.result(tokenizer), "time": time.time()}
+
+    def _submit_eval(self, sampler: Any, tokenizer: Any) -> PendingEval:
+        assert self.held_out is not None
+        prompts = [
+            render_prompt(tokenizer, p.question, self.cfg.system_prompt)
+            for p in self.held_out.problems
+        ]
+        return self.held_out.submit(sampler, prompts, self.cfg.max_tokens)
 
     def _save(self, tc: tinker.TrainingClient, step: int) -> None:
         name = f"step-{step:05d}"
@@ -349,7 +410,17 @@ class TenantRunner:
         scored, with their advantages, as datums."""
         cfg = self.cfg
         t0 = time.perf_counter()
-        problems = self.env.problems(random.Random(step_seed(cfg.seed, step)), cfg.prompts_per_step)
+        rng = random.Random(step_seed(cfg.seed, step))
+        if self.held_out is None:
+            problems = self.env.problems(rng, cfg.prompts_per_step)
+        else:
+            problems = self.held_out.training_problems(rng, cfg.prompts_per_step)
+        # the same weights' held-out evaluation, in flight with the step's own samples
+        pending = (
+            self._submit_eval(sampler, tokenizer)
+            if self.held_out is not None and self._eval_due(step)
+            else None
+        )
         prompts = [render_prompt(tokenizer, p.question, cfg.system_prompt) for p in problems]
         futures = [
             sampler.sample(
@@ -364,7 +435,8 @@ class TenantRunner:
             for i, prompt in enumerate(prompts)
         ]
         responses = [f.result() for f in futures]
-        out = Rollouts(version=version, sample_s=time.perf_counter() - t0)
+        evaluated = {} if pending is None else pending.result(tokenizer)
+        out = Rollouts(version=version, sample_s=time.perf_counter() - t0, evaluated=evaluated)
         provenance = self.loss_fn == "stable_reinforce"
         for problem, prompt, response in zip(problems, prompts, responses, strict=True):
             texts = [
@@ -417,6 +489,12 @@ class TenantRunner:
             "sample_s": rollouts.sample_s,
             "train_s": t_end - t_train,
             "step_s": t_end - t0,
+            # eval keys: the weights after `eval_version` updates (== step unless off-policy)
+            **(
+                rollouts.evaluated | {"eval_version": rollouts.version}
+                if rollouts.evaluated
+                else {}
+            ),
             "time": time.time(),
         }
 
@@ -433,6 +511,8 @@ class Rollouts:
     tagged: int = 0
     sampled_tokens: int = 0
     masked_tokens: float | None = None
+    # the held-out evaluation of the same weights, when one was due (rl/evaluation.py)
+    evaluated: dict[str, float | int] = field(default_factory=dict)
 
 
 def default_loss(max_steps_off_policy: int) -> RlLoss:
@@ -463,10 +543,21 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     return read_metrics(path) if path.is_file() else []
 
 
-def _stats(row: dict[str, Any]) -> str:
-    loss = row["loss_per_token"]
-    stale = f"  stale {row['staleness']}" if row.get("staleness") else ""
-    return f"reward {row['reward_mean']:.3f}  tag {row['tag_rate']:.2f}  loss {'-' if loss is None else f'{loss:+.4f}'}{stale}"
+def _stats(rows: list[dict[str, Any]]) -> str:
+    """The progress line: the last training step's figures and the latest evaluation."""
+    parts = []
+    trained = next((r for r in reversed(rows) if "reward_mean" in r), None)
+    if trained is not None:
+        loss = trained["loss_per_token"]
+        parts.append(
+            f"reward {trained['reward_mean']:.3f}  tag {trained['tag_rate']:.2f}  "
+            f"loss {'-' if loss is None else f'{loss:+.4f}'}"
+            + (f"  stale {trained['staleness']}" if trained.get("staleness") else "")
+        )
+    evaluated = next((r for r in reversed(rows) if "eval_accuracy" in r), None)
+    if evaluated is not None:
+        parts.append(f"eval {evaluated['eval_accuracy']:.3f} (step {evaluated['step']})")
+    return "  ".join(parts)
 
 
 def run_rl(config: RLConfig, *, on_step: StepHook | None = None) -> dict[str, TenantResult]:
@@ -476,10 +567,20 @@ def run_rl(config: RLConfig, *, on_step: StepHook | None = None) -> dict[str, Te
         raise ValueError(f"tenant names must be unique, got {names}")
     for tenant in config.tenants:
         tenant.validate()
-    if config.steps < 1 or config.save_every < 1:
-        raise ValueError("--steps and --save-every must be >= 1")
-    if config.max_steps_off_policy < 0:
-        raise ValueError(f"--max-steps-off-policy must be >= 0, got {config.max_steps_off_policy}")
+    config.validate()
+    # Tasks and held-out sets before anything is written or started: a bad task or one too
+    # small to hold out --eval-prompts problems is refused up front.
+    envs = {t.name: make_env(t.task) for t in config.tenants}
+    held_out = {
+        t.name: HeldOut.draw(envs[t.name], t.seed, config.eval_prompts)
+        if config.eval_every
+        else None
+        for t in config.tenants
+    }
+    for t in config.tenants:  # step 0's draw: refuses a task the held-out set leaves empty
+        held = held_out[t.name]
+        if held is not None:
+            held.training_problems(random.Random(step_seed(t.seed, 0)), t.prompts_per_step)
     # before anything is written: a missing CUDA device is refused here
     device = embedded_device(config.device, config.base_url)
     run_dir = ensure_private_dir(config.run_dir)
@@ -529,7 +630,17 @@ def run_rl(config: RLConfig, *, on_step: StepHook | None = None) -> dict[str, Te
     try:
         with Progress(config.progress) as progress:
             runners = [
-                TenantRunner(t, config, backend, keys[t.name], progress, stop, on_step)
+                TenantRunner(
+                    t,
+                    config,
+                    backend,
+                    keys[t.name],
+                    progress,
+                    stop,
+                    on_step,
+                    env=envs[t.name],
+                    held_out=held_out[t.name],
+                )
                 for t in config.tenants
             ]
             threads = [
@@ -563,7 +674,10 @@ def run_rl(config: RLConfig, *, on_step: StepHook | None = None) -> dict[str, Te
 def finish(config: RLConfig, results: dict[str, TenantResult], interrupted: bool) -> None:
     run_dir = config.run_dir
     curves = {name: r.metrics for name, r in results.items()}
-    png = plot_curves(run_dir / "reward.png", curves, "reward_mean", "mean reward")
+    panels = [("reward_mean", "mean reward (training samples)")]
+    if any("eval_accuracy" in row for rows in curves.values() for row in rows):
+        panels.append(("eval_accuracy", "held-out greedy accuracy"))
+    png = plot_panels(run_dir / "reward.png", curves, panels)
     summary = {
         name: {k: v for k, v in asdict(r).items() if k != "metrics"} | _summary(r.metrics)
         for name, r in results.items()
@@ -579,6 +693,8 @@ def finish(config: RLConfig, results: dict[str, TenantResult], interrupted: bool
                 s["steps"],
                 _fmt(s["reward_first"]),
                 _fmt(s["reward_last"]),
+                _fmt(s["eval_first"]),
+                _fmt(s["eval_last"]),
                 f"{s['seconds']:.0f}s",
                 "-"
                 if s["staleness_max"] is None
@@ -597,6 +713,8 @@ def finish(config: RLConfig, results: dict[str, TenantResult], interrupted: bool
             "steps",
             "reward first",
             "reward last",
+            "eval first",
+            "eval last",
             "time",
             "stale avg/max",
             "adapter (PEFT)",
@@ -609,16 +727,24 @@ def finish(config: RLConfig, results: dict[str, TenantResult], interrupted: bool
 
 
 def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """First/last reward averaged over up to 3 steps: single steps are noisy at 32 rollouts."""
-    rewards = [r["reward_mean"] for r in rows]
+    """First/last reward averaged over up to 3 steps: single steps are noisy at 32 rollouts.
+    Eval first/last are single evaluations (the same held-out prompts each time, greedy)."""
+    trained = [r for r in rows if "reward_mean" in r]
+    rewards = [r["reward_mean"] for r in trained]
+    evals = [r for r in rows if "eval_accuracy" in r]
     k = min(3, len(rewards))
-    stale = [r.get("staleness", 0) for r in rows]
+    stale = [r.get("staleness", 0) for r in trained]
     return {
-        "steps": len(rows),
+        "steps": len(trained),
         "reward_first": sum(rewards[:k]) / k if k else None,
         "reward_last": sum(rewards[-k:]) / k if k else None,
-        "seconds": sum(r["step_s"] for r in rows),
-        "rollouts": sum(r["rollouts"] for r in rows),
+        "eval_first": evals[0]["eval_accuracy"] if evals else None,
+        "eval_last": evals[-1]["eval_accuracy"] if evals else None,
+        "eval_first_step": evals[0]["step"] if evals else None,
+        "eval_last_step": evals[-1]["step"] if evals else None,
+        "seconds": sum(r["step_s"] for r in trained)
+        + sum(r["eval_s"] for r in rows if "reward_mean" not in r and "eval_s" in r),
+        "rollouts": sum(r["rollouts"] for r in trained),
         "staleness_mean": sum(stale) / len(stale) if stale else None,
         "staleness_max": max(stale) if stale else None,
     }

@@ -84,24 +84,36 @@ def plot_curves(
     path: Path, curves: Mapping[str, Sequence[dict[str, Any]]], key: str, ylabel: str
 ) -> Path:
     """One line per tenant of `key` against `step`, written atomically as a PNG."""
+    return plot_panels(path, curves, [(key, ylabel)])
+
+
+def plot_panels(
+    path: Path,
+    curves: Mapping[str, Sequence[dict[str, Any]]],
+    panels: Sequence[tuple[str, str]],
+) -> Path:
+    """One panel per `(key, ylabel)` side by side, one line per tenant against `step` (rows
+    without the key are skipped, so sparse series such as evaluations plot as their points),
+    written atomically as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    plotted = 0
-    for name, rows in curves.items():
-        points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
-        if points:
-            xs, ys = zip(*points, strict=True)
-            ax.plot(xs, ys, marker="o", markersize=3, label=name)
-            plotted += 1
-    ax.set_xlabel("step")
-    ax.set_ylabel(ylabel)
-    ax.grid(alpha=0.3)
-    if plotted:
-        ax.legend()
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4), squeeze=False)
+    for ax, (key, ylabel) in zip(axes[0], panels, strict=True):
+        plotted = 0
+        for name, rows in curves.items():
+            points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+            if points:
+                xs, ys = zip(*points, strict=True)
+                ax.plot(xs, ys, marker="o", markersize=3, label=name)
+                plotted += 1
+        ax.set_xlabel("step (updates applied)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        if plotted:
+            ax.legend()
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)

@@ -1,6 +1,6 @@
 """`lorafleet rl` and the console: it prints its embedded server's console URL, the run's own key
 (from the run dir) signs in there, and each step's rewards arrive as the run's client curves
-beside the server's loss."""
+beside the server's loss, and so do its held-out evaluations."""
 
 from __future__ import annotations
 
@@ -41,6 +41,12 @@ def test_rl_prints_the_console_url_and_posts_its_rewards(tmp_path, capsys):
     assert {("reward_mean", 0), ("reward_mean", 1), ("tag_rate", 1)} <= client
     rows = [json.loads(line) for line in (run_dir / "a" / "metrics.jsonl").read_text().splitlines()]
     posted = {step: v for name, _s, step, v, _at in points if name == "reward_mean"}
-    assert posted == {row["step"]: row["reward_mean"] for row in rows}
-    if any(row["trained_rows"] for row in rows):  # a step with a gradient has a loss point
+    assert posted == {row["step"]: row["reward_mean"] for row in rows if "reward_mean" in row}
+    # held-out evaluations (steps 0 and 2, the last a row of its own) reach the console too
+    evaluated = {step: v for name, _s, step, v, _at in points if name == "eval_accuracy"}
+    assert evaluated == {
+        row["step"]: row["eval_accuracy"] for row in rows if "eval_accuracy" in row
+    }
+    assert sorted(evaluated) == [0, 2]
+    if any(row.get("trained_rows") for row in rows):  # a step with a gradient has a loss point
         assert any(name == "loss" and source == "server" for name, source, *_ in points)
