@@ -19,20 +19,20 @@ from lorafleet.server.errors import ApiError
 from lorafleet.server.http import (
     API,
     info,
-    resource_routes,
+    resources,
     retrieve,
     run_metric_routes,
-    sampling_routes,
-    session_routes,
+    sampling,
+    sessions,
     stats,
-    training_routes,
+    training,
     unknown,
-    usage_routes,
+    usage,
 )
 from lorafleet.server.http.bodies import BodyReader
 from lorafleet.server.http.error_handlers import install_error_handlers
 from lorafleet.server.http.off_loop import OffLoop
-from lorafleet.server.http.usage_routes import METRICS_ROUTE
+from lorafleet.server.http.usage import METRICS_ROUTE
 from lorafleet.server.openai import routes as openai_routes
 from lorafleet.server.service import Service
 
@@ -108,14 +108,12 @@ def create_app(service: Service) -> FastAPI:
     off = OffLoop(bodies, service.lanes)
     info.add_routes(app, service.served, health=service.health)
     stats.add_routes(app, service.stats, off)
-    session_routes.add_routes(app, service.sessions, off)
-    training_routes.add_routes(app, service.training, off)
-    sampling_routes.add_routes(app, service.sampling, off)
+    sessions.add_routes(app, service.sessions, off)
+    training.add_routes(app, service.training, off)
+    sampling.add_routes(app, service.sampling, off)
     retrieve.add_routes(app, service.futures, lambda: config.long_poll_s, off, service.abandoned)
-    resource_routes.add_routes(app, service.rest, off)
-    usage_routes.add_routes(
-        app, service.usage, off
-    )  # /api/v1/lorafleet/usage, /metrics (operators)
+    resources.add_routes(app, service.rest, off)
+    usage.add_routes(app, service.usage, off)  # /api/v1/lorafleet/usage, /metrics (operators)
     run_metric_routes.add_routes(app, service.run_metrics, off)  # a client's curves (console)
     console_routes.add_routes(app, service.console, service.lanes)  # /console: cookie sessions
     openai_routes.add_routes(app, service.completions, service.aliases, off)  # /v1: OpenAI's API

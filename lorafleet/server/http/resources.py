@@ -5,15 +5,22 @@ published, see public_checkpoints.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from concurrent.futures import Future
 from datetime import UTC, datetime
+from email.utils import formatdate
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 from urllib.parse import quote, urlencode
 
+from fastapi import FastAPI, Query, Request
+from fastapi.responses import FileResponse, RedirectResponse, StreamingResponse
+
 from lorafleet.server.errors import Conflict, NotFound, UserError, exception_text
-from lorafleet.server.http import parse, resource_json, schemas
+from lorafleet.server.http import API, parse, resource_json, schemas
+from lorafleet.server.http.archives import tar_stream
+from lorafleet.server.http.off_loop import OffLoop
 from lorafleet.server.http.served import ServedBase
 from lorafleet.server.http.signed_urls import UrlSigner
 from lorafleet.server.ops.engine_calls import EngineCalls
@@ -435,3 +442,156 @@ class Rest:
             )
         ]
         return {"effective_rate_usd_per_gigabyte_month": None, "data": data}
+
+
+# The resources a client reads and manages by id: a model's info, a sampler, training runs
+# and their checkpoints (listing, TTL, deletion), and what a checkpoint's weights hold.
+
+
+def add_routes(app: FastAPI, rest: Rest, off: OffLoop) -> None:
+
+    @app.post(f"{API}/get_info")
+    async def get_info(request: Request) -> dict[str, Any]:
+        return await off.json(request, rest.get_info)
+
+    @app.get(f"{API}/samplers/{{sampler_id}}")
+    async def get_sampler(sampler_id: str, request: Request) -> dict[str, Any]:
+        return await off.call(request, lambda who: rest.get_sampler(who, sampler_id))
+
+    @app.get(f"{API}/training_runs")
+    async def list_training_runs(
+        request: Request,
+        limit: int = 20,
+        offset: int = 0,
+        access_scope: str = "owned",
+        project_id: str | None = None,
+    ) -> dict[str, Any]:
+        return await off.call(
+            request,
+            lambda who: rest.list_training_runs(who, limit, offset, access_scope, project_id),
+        )
+
+    @app.get(f"{API}/training_runs/{{run_id}}")
+    async def get_training_run(
+        run_id: str, request: Request, access_scope: str = "owned"
+    ) -> dict[str, Any]:
+        return await off.call(request, lambda who: rest.get_training_run(who, run_id, access_scope))
+
+    @app.get(f"{API}/training_runs/{{run_id}}/checkpoints")
+    async def list_run_checkpoints(run_id: str, request: Request) -> dict[str, Any]:
+        return await off.call(request, lambda who: rest.list_checkpoints(who, run_id))
+
+    @app.put(f"{API}/training_runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}/ttl")
+    async def set_ttl(run_id: str, checkpoint_id: str, request: Request) -> dict[str, Any]:
+        return await off.json(
+            request, lambda who, body: rest.set_checkpoint_ttl(who, run_id, checkpoint_id, body)
+        )
+
+    # before the DELETE of a checkpoint, whose {checkpoint_id:path} would swallow ".../publish"
+    @app.post(f"{API}/training_runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}/publish")
+    async def publish(run_id: str, checkpoint_id: str, request: Request) -> dict[str, Any]:
+        return await off.call(
+            request, lambda who: rest.set_public(who, run_id, checkpoint_id, True)
+        )
+
+    @app.delete(f"{API}/training_runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}/publish")
+    async def unpublish(run_id: str, checkpoint_id: str, request: Request) -> dict[str, Any]:
+        return await off.call(
+            request, lambda who: rest.set_public(who, run_id, checkpoint_id, False)
+        )
+
+    @app.get(
+        f"{API}/training_runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}/external_weights_urls"
+    )
+    async def external_weights_urls(
+        run_id: str, checkpoint_id: str, request: Request
+    ) -> dict[str, Any]:
+        return await off.call(
+            request, lambda who: rest.external_weights_urls(who, run_id, checkpoint_id)
+        )
+
+    @app.get(f"{FILES_ROUTE}/{{run_id}}/external_weights/{{name}}/{{file}}")
+    async def external_file(
+        run_id: str,
+        name: str,
+        file: str,
+        signed_for: Annotated[str | None, Query(alias="tenant")] = None,
+        expires: str | None = None,
+        sig: str | None = None,
+        version: str | None = None,
+    ) -> FileResponse:
+        """No API key (app.KeyGate lets FILES_ROUTE through): the signature is the credential."""
+        path = await off.public(
+            f"files:{signed_for}",
+            lambda: rest.external_file(run_id, name, file, signed_for, expires, sig, version),
+        )
+        return FileResponse(path, media_type="application/octet-stream")
+
+    @app.get(f"{API}/training_runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}/archive")
+    async def checkpoint_archive(
+        run_id: str, checkpoint_id: str, request: Request
+    ) -> RedirectResponse:
+        """A 302 to a signed tar link, with `Expires`: what SDKs before 0.38 read in
+        `get_checkpoint_archive_url`; `lorafleet export` reads the same."""
+        url, expires = await off.call(
+            request, lambda who: rest.checkpoint_archive_url(who, run_id, checkpoint_id)
+        )
+        return RedirectResponse(
+            url, status_code=302, headers={"Expires": formatdate(expires, usegmt=True)}
+        )
+
+    @app.get(f"{FILES_ROUTE}/{{run_id}}/archive/{{segment}}/{{name}}")
+    async def archive_file(
+        run_id: str,
+        segment: str,
+        name: str,
+        signed_for: Annotated[str | None, Query(alias="tenant")] = None,
+        expires: str | None = None,
+        sig: str | None = None,
+        version: str | None = None,
+    ) -> StreamingResponse:
+        """No API key (app.KeyGate lets FILES_ROUTE through): the signature is the credential."""
+        length, chunks = await off.public(
+            f"files:{signed_for}",
+            lambda: tar_stream(
+                rest.archive_files(run_id, segment, name, signed_for, expires, sig, version)
+            ),
+        )
+        return StreamingResponse(
+            chunks, media_type="application/x-tar", headers={"Content-Length": str(length)}
+        )
+
+    @app.post(f"{API}/copy_weights")
+    async def copy_weights(request: Request) -> dict[str, Any]:
+        idempotency_key = request.headers.get("x-idempotency-key")
+        token = request.headers.get("x-tinker-weights-access-token")
+        result = await off.json(
+            request, lambda who, body: rest.copy_weights(who, body, idempotency_key, token)
+        )
+        return result if isinstance(result, dict) else await asyncio.wrap_future(result)
+
+    @app.get(f"{API}/billing/usage/checkpoints/current")
+    async def checkpoint_storage_usage(
+        request: Request, project_id: str | None = None
+    ) -> dict[str, Any]:
+        return await off.call(request, lambda who: rest.checkpoint_storage_usage(who, project_id))
+
+    @app.delete(f"{API}/training_runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}")
+    async def delete_checkpoint(
+        run_id: str, checkpoint_id: str, request: Request
+    ) -> dict[str, Any]:
+        deleting = await off.call(
+            request, lambda who: rest.delete_checkpoint(who, run_id, checkpoint_id)
+        )
+        await asyncio.wrap_future(deleting)
+        return {}
+
+    @app.get(f"{API}/checkpoints")
+    async def list_user_checkpoints(
+        request: Request, limit: int = 100, offset: int = 0
+    ) -> dict[str, Any]:
+        return await off.call(request, lambda who: rest.list_checkpoints(who, None, limit, offset))
+
+    @app.post(f"{API}/weights_info")
+    async def weights_info(request: Request) -> dict[str, Any]:
+        return await off.json(request, rest.weights_info)

@@ -8,8 +8,11 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from fastapi import FastAPI, Request
+
 from lorafleet.server.errors import ApiError, Conflict, UserError
-from lorafleet.server.http import parse, schemas
+from lorafleet.server.http import API, parse, schemas
+from lorafleet.server.http.off_loop import OffLoop
 from lorafleet.server.http.served import ServedBase
 from lorafleet.server.ops import stability
 from lorafleet.server.ops.abandoned import AbandonedSamples
@@ -144,3 +147,17 @@ class Sampling:
                 "sample by model_path or base_model alone has none"
             )
         return Recording(session_id, self.stability_policy.quota_bytes)
+
+
+# A `SamplingClient`'s operations: open a sampling session, sample (answered with a future).
+
+
+def add_routes(app: FastAPI, sampling: Sampling, off: OffLoop) -> None:
+
+    @app.post(f"{API}/create_sampling_session")
+    async def create_sampling_session(request: Request) -> dict[str, Any]:
+        return await off.json(request, sampling.create_session)
+
+    @app.post(f"{API}/asample")
+    async def asample(request: Request) -> dict[str, Any]:
+        return await off.json(request, sampling.sample)

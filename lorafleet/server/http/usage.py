@@ -11,13 +11,16 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Annotated, Any
 
+from fastapi import FastAPI, Query, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from lorafleet.server.errors import NotFound, UserError
+from lorafleet.server.http import API
+from lorafleet.server.http.off_loop import OffLoop
 from lorafleet.server.ops.admission import Admission
 from lorafleet.server.ops.metering import COUNTERS, Metering, usage_report, utc_day
 from lorafleet.server.ops.quotas import Quotas
@@ -222,3 +225,27 @@ class _Collector(Collector):
             "lorafleet_rounds", "Engine rounds", value=float(stats.get("rounds", 0))
         )
         yield from _prefix_cache_metrics(stats.get("prefix_cache"))
+
+
+# Metering read back (lorafleet's own, not the Tinker API): `GET /api/v1/lorafleet/usage`
+# for a tenant's own usage (an operator key: `?tenant=<id>` or `?tenant=*`), and `GET /metrics`,
+# Prometheus text, for operator keys only. Both are behind the key gate like every route.
+
+
+METRICS_ROUTE = "/metrics"
+
+
+def add_routes(app: FastAPI, usage: Usage, off: OffLoop) -> None:
+
+    @app.get(f"{API}/lorafleet/usage")
+    async def read_usage(
+        request: Request,
+        of: Annotated[str | None, Query(alias="tenant")] = None,
+        days: int = 30,
+    ) -> dict[str, Any]:
+        return await off.call(request, lambda who: usage.report(who, of, days))
+
+    @app.get(METRICS_ROUTE)
+    async def metrics(request: Request) -> Response:
+        text = await off.call(request, usage.metrics)
+        return Response(text, media_type=METRICS_CONTENT_TYPE)
