@@ -33,7 +33,7 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +70,7 @@ from lorafleet.sample.reports import (
     SamplerFeatures,
     SamplerHealth,
 )
-from lorafleet.sample.types import SampleRequest, SampleResult, VersionKey
+from lorafleet.sample.types import SampleError, SampleRequest, SampleResult, VersionKey
 from lorafleet.sample.validate import ModelLimits
 from lorafleet.sample.versions import (
     UnknownVersionError,
@@ -959,7 +959,17 @@ class RaySamplerPool:
         ray = ray_module()
         requests = list(requests)
         results: list[SampleResult | None] = [None] * len(requests)
-        pending = list(range(len(requests)))
+        pending = []
+        for index, request in enumerate(requests):
+            if request.cancel is not None and request.cancel.is_set():
+                results[index] = _cancelled(request)
+            else:
+                pending.append(index)
+        if not pending:
+            return [r for r in results if r is not None]
+        # what crosses to a replica: the request without its process-local parts (a thread
+        # event and a progress hook cannot be pickled; this pool declares token_streaming off)
+        wire = [_for_replica(r) for r in requests]
         attempts = 2 * len(self._replicas) + 2
         for _ in range(attempts):
             replica = self._pick()
@@ -967,7 +977,7 @@ class RaySamplerPool:
                 incarnation, handle = replica.incarnation, replica.handle
                 self._busy[replica.index] = self._busy.get(replica.index, 0) + 1
             try:
-                batch = [requests[i] for i in pending]
+                batch = [wire[i] for i in pending]
                 out: list[SampleResult] = ray.get(handle.generate.remote(batch))
                 retry = []
                 for index, result in zip(pending, out, strict=True):
@@ -1082,3 +1092,16 @@ class RaySamplerPool:
         for replica in self._replicas:
             with contextlib.suppress(Exception):  # best effort: the replica may be gone
                 ray.kill(replica.handle, no_restart=True)
+
+
+def _for_replica(request: SampleRequest) -> SampleRequest:
+    """The request as a replica process receives it: no cancel event, no progress hook."""
+    if request.cancel is None and request.on_token is None:
+        return request
+    return replace(request, cancel=None, on_token=None)
+
+
+def _cancelled(request: SampleRequest) -> SampleResult:
+    """A request whose caller went away before it was sent: it never reaches a replica."""
+    error = SampleError("cancelled", "the request was cancelled (its client went away)")
+    return SampleResult(sequences=[], adapter=request.adapter, error=error)

@@ -103,7 +103,8 @@ def check_replicas_reported(server: ServerThread, ray, versions: set[str]) -> No
     assert [(r["state"], r["versions"]) for r in shown["rollout"]["replicas"]] == [
         ("healthy", len(versions))
     ] * 2
-    assert shown["prefix_cache"]["max_bytes"] > 0  # the replicas' caches, summed
+    assert server.service.stats()["prefix_cache"]["max_bytes"] > 0  # the replicas', summed
+    assert shown["prefix_cache"]["enabled"] and "max_bytes" not in shown["prefix_cache"]
     assert healthz(server) == (200, {"status": "ok", "engine": "ok", "disk": "ok", "rollout": "ok"})
 
     ray.kill(pool.replica_handle(1), no_restart=True)

@@ -22,7 +22,12 @@ from lorafleet.train.layout import (
     plan_units,
     tokens_run,
 )
-from lorafleet.train.loss_inputs import LOSS_NAMES, validate_loss
+from lorafleet.train.loss_inputs import (
+    LOSS_NAMES,
+    SAMPLED_SEQUENCE,
+    STABLE_REINFORCE,
+    validate_loss,
+)
 from lorafleet.train.losses import compute_loss, gradient_mask
 
 LOGPROB_TOL = {"atol": 1e-5, "rtol": 1e-5}
@@ -61,6 +66,12 @@ def rl_inputs(loss_fn: str, tokens: torch.Tensor, prompt: int, gen: torch.Genera
     }
     if loss_fn == "gspo":
         inputs["sequence_ratio_mask"] = on_completion
+    if loss_fn == STABLE_REINFORCE:
+        # the completion is one recorded sampled run, sampled by a policy close to the tiny
+        # random model (log-probs near -log VOCAB), so its ratios pass the sequence mask
+        inputs[SAMPLED_SEQUENCE] = on_completion
+        near = -math.log(VOCAB) + 0.1 * torch.randn(length, generator=gen)
+        inputs["logprobs"] = torch.where(on_completion > 0, near, 0.0)
     return inputs
 
 
@@ -353,9 +364,13 @@ def test_gradient_mask_covers_every_non_zero_gradient(loss_fn):
     tokens = torch.randint(0, VOCAB, (24,), generator=gen)
     inputs = rl_inputs(loss_fn, tokens, 10, gen)
     spec = validate_loss(loss_fn, inputs, None, 24, 512)
-    logp = (-torch.rand(24, generator=gen) * 4).requires_grad_()
+    logp = -torch.rand(24, generator=gen) * 4
+    if loss_fn in ("gspo", STABLE_REINFORCE):  # sequence ratios their clips and masks keep
+        logp = inputs["logprobs"] + 0.1 * torch.randn(24, generator=gen)
+    logp.requires_grad_()
     loss, _ = compute_loss(spec, logp)
     loss.backward()
+    assert bool((logp.grad != 0).any())
     mask = gradient_mask(spec)
     assert mask.shape == spec.inputs["target_tokens"].shape and mask.dtype == torch.bool
     assert bool((logp.grad[~mask] == 0).all())
