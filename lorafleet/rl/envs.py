@@ -1,11 +1,14 @@
 """Reward environments: seeded problem generators plus scorers, all offline.
 
 Every env asks for the final answer inside `<answer>...</answer>` so one extractor serves all of
-them. A correct tagged answer earns 1; a correct number left untagged earns `partial` (shaping
-that gives a 135M model a gradient from the first step: in the README job's 10 steps SmolLM2
-learns mostly to state the right number, rarely the tag; docs/learning.md). The instruction
-shows the tag with no number in it: an example answer (`<answer>42</answer>`) was copied
-verbatim by the model, and a tagged wrong number scores below an untagged right one.
+them. The reward reads the same `final_answer` held-out evaluation reads (the tagged answer, else
+the last number): a right tagged answer earns 1, a right untagged final number earns `partial`,
+anything else 0. The half credit is shaping that gives a 135M model a gradient from the first
+step (SmolLM2 rarely uses the tag at first); it pays only for a right *final* number, because
+half credit for the right number anywhere in the text was gamed: the README job's model learnt
+to write the right number and then keep going, so training reward rose while held-out accuracy
+fell (docs/learning.md). The instruction shows the tag with no number in it: an example answer
+(`<answer>42</answer>`) was copied verbatim by the model.
 `correct` is the unshaped check held-out evaluation counts (rl/evaluation.py).
 """
 
@@ -72,14 +75,20 @@ def _numbers_equal(got: str, want: str) -> bool:
         return got == want
 
 
+def _shaped(completion: str, partial: float, right: typing.Callable[[str], bool]) -> float:
+    """1 for a right tagged answer, `partial` for a right untagged final number, else 0."""
+    got = final_answer(completion)
+    if got is None or not right(got):
+        return 0.0
+    return 1.0 if extract_answer(completion) is not None else partial
+
+
 @dataclass
 class ArithmeticEnv:
     """Built in, no extra dependency: `a op b` with operands in [0, max_operand].
 
-    Reward: 1 for the correct number in the tag; `partial` when the correct number appears in
-    the text but not (correctly) tagged. SmolLM2-135M often names the right sum but
-    almost never uses the tag, so the partial credit is what gives a 135M model a gradient at
-    the start; the tag bonus is what it learns next."""
+    Reward (see the module docstring): 1 for the right number in the tag, `partial` for the right
+    number as the untagged final number, else 0."""
 
     name: str = "arithmetic"
     max_operand: int = 10
@@ -96,10 +105,7 @@ class ArithmeticEnv:
         return out
 
     def score(self, problem: Problem, completion: str) -> float:
-        got = extract_answer(completion)
-        if got is not None and _numbers_equal(got, problem.answer):
-            return 1.0
-        return self.partial * float(problem.answer in NUMBER_RE.findall(completion))
+        return _shaped(completion, self.partial, lambda got: _numbers_equal(got, problem.answer))
 
     def correct(self, problem: Problem, completion: str) -> bool:
         got = final_answer(completion)
@@ -164,15 +170,13 @@ class ReasoningGymEnv:
         ]
 
     def score(self, problem: Problem, completion: str) -> float:
-        got = extract_answer(completion)
-        if got is not None:
-            return float(self._scorer.score_answer(got, problem.entry))  # stateless per entry
-        # Same shaping as ArithmeticEnv: partial credit when an untagged number scores.
-        numbers = NUMBER_RE.findall(completion)[-5:]
-        best = max(
-            (float(self._scorer.score_answer(n, problem.entry)) for n in numbers), default=0.0
-        )
-        return self.partial * best
+        tagged = extract_answer(completion)
+        if tagged is not None:  # the task's own graded score (stateless per entry)
+            return float(self._scorer.score_answer(tagged, problem.entry))
+        return _shaped(completion, self.partial, lambda got: self._right(got, problem))
+
+    def _right(self, got: str, problem: Problem) -> bool:
+        return float(self._scorer.score_answer(got, problem.entry)) >= 1.0
 
     def correct(self, problem: Problem, completion: str) -> bool:
         got = final_answer(completion)

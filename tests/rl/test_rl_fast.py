@@ -93,6 +93,10 @@ def test_env_scoring():
     assert env.score(p, "It is <answer>5</answer>") == 1.0
     assert env.score(p, "2 + 3 = 5") == env.partial
     assert env.score(p, "<answer>6</answer>") == 0.0
+    # the half credit reads the final number only: a right number followed by more is not it
+    assert env.score(p, "2 + 3 = 5, and 5 + 1 = 6") == 0.0
+    assert env.score(p, "<answer>6</answer> or 5") == 0.0  # a tag is the answer, wrong here
+    assert env.score(p, "no number") == 0.0
     assert TagEnv().score(p, "<answer>17</answer>") == 1.0
     assert TagEnv().score(p, "<answer>five</answer>") == 0.0
     assert extract_answer("x <answer> 12 </answer> <answer>3</answer>") == "12"
@@ -110,6 +114,7 @@ def test_reasoning_gym_env_scores_with_its_own_scorer():
     [problem] = env.problems(random.Random(0), 1)
     assert env.score(problem, f"<answer>{problem.answer}</answer>") == 1.0
     assert env.score(problem, f"so {problem.answer}.") == 0.5
+    assert env.score(problem, f"{problem.answer}, not 1234567") == 0.0  # not the final number
     assert env.score(problem, "<answer>nonsense</answer>") == 0.0
 
 
@@ -369,7 +374,8 @@ def test_held_out_scores_greedy_accuracy():
     ]
     scores = held.score(texts)
     assert scores["eval_accuracy"] == 0.5
-    assert scores["eval_reward"] == pytest.approx((1.0 + 3 * env.partial) / 4)
+    # the reward reads the same final answer: 1 + partial, nothing for the two wrong ones
+    assert scores["eval_reward"] == pytest.approx((1.0 + env.partial) / 4)
     assert scores["eval_tag_rate"] == 0.5 and scores["eval_prompts"] == 4
 
 

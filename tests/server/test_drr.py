@@ -429,7 +429,11 @@ def test_a_tenant_seen_recently_keeps_the_round_budget():
     within solo_after_s keeps the rounds small, so a lone round never lands between its steps."""
     executor, futures = _ChunkExecutor(), _Futures()
     scheduler = _scheduler(
-        futures, round_token_budget=100, solo_round_token_budget=1000, solo_after_s=3600.0
+        futures,
+        round_token_budget=100,
+        solo_round_token_budget=1000,
+        solo_after_s=3600.0,
+        stepping_s=0.0,
     )
     for model in ("big", "small"):
         scheduler.register_model(model)
@@ -444,6 +448,42 @@ def test_a_tenant_seen_recently_keeps_the_round_budget():
         scheduler.stop()
     big_rounds = [b for b in _train_rounds(executor) if b and b[0][0] == "big"]
     assert len(big_rounds) == 4 and scheduler.stats.solo_rounds == solo
+
+
+def test_while_a_neighbour_steps_a_lone_call_runs_a_quantum_a_round():
+    """A neighbour stepping in a loop sends its next call as its last result arrives: a round
+    that fills the budget from one tenant's backlog meanwhile is what its next call waits
+    behind, so such rounds run one quantum (25 tokens here) until the neighbour stops."""
+    executor, futures = _ChunkExecutor(), _Futures()
+    scheduler = _scheduler(
+        futures,
+        round_token_budget=100,
+        solo_round_token_budget=1000,
+        solo_after_s=3600.0,
+        stepping_s=3600.0,
+    )
+    for model in ("big", "small"):
+        scheduler.register_model(model)
+    scheduler.start(lambda: executor)
+    try:
+        scheduler.submit(_fb("B0", "flooder", "big", 1, [10] * 10))
+        futures.wait("B0")  # nobody else has stepped yet (a solo round, here)
+        scheduler.submit(_fb("S1", "small", "small", 1, [10]))
+        futures.wait("S1")
+        scheduler.submit(_fb("B1", "flooder", "big", 2, [10] * 40))
+        futures.wait("B1")
+    finally:
+        scheduler.stop()
+    big_rounds = [b for b in _train_rounds(executor) if b and b[0][0] == "big"]
+    sizes = [sum(stop - start for _, start, stop in batch) for batch in big_rounds]
+    assert sizes == [10] + [2] * 20  # 10 datums of 10 tokens, then 2 a round (25 tokens)
+    # 20 of the flooder's, and the small tenant's own (the flooder had just stepped)
+    assert scheduler.stats.short_rounds == 21
+
+
+def test_a_bad_stepping_window_is_refused():
+    with pytest.raises(ValueError, match="stepping_s"):
+        _scheduler(_Futures(), round_token_budget=100, stepping_s=-1.0)
 
 
 def test_a_bad_solo_budget_is_refused_and_zero_turns_it_off():

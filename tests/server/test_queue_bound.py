@@ -149,3 +149,65 @@ def test_a_tenant_queued_ops_quota_bounds_one_tenant():
 def test_a_queue_bound_that_is_not_a_positive_count_is_refused(bound):
     with pytest.raises(ValueError, match="max_queued_ops"):
         Admission(_Futures(), bound)  # type: ignore[arg-type]
+
+
+def _json_forward_backward(model_id: str, seq_id: int) -> dict:
+    tokens = [3, 6, 9, 12 + seq_id]
+    return {
+        "model_id": model_id,
+        "seq_id": seq_id,
+        "forward_backward_input": {
+            "loss_fn": "cross_entropy",
+            "data": [
+                {
+                    "model_input": {"chunks": [{"type": "encoded_text", "tokens": tokens[:-1]}]},
+                    "loss_fn_inputs": {
+                        "target_tokens": {"data": tokens[1:], "dtype": "int64"},
+                        "weights": {"data": [1.0] * 3, "dtype": "float32"},
+                    },
+                }
+            ],
+        },
+    }
+
+
+def test_past_the_bound_a_body_is_refused_before_it_is_decoded(bounded, monkeypatch):
+    """A large forward_backward body decoded only to be answered 429 is work every other
+    request waits behind (bench/loop_lag.py): the bound is checked once the envelope names the
+    model and seq_id. A retry of a request already recorded still gets its first future."""
+    from lorafleet.server.http import proto
+
+    service = bounded.service
+    client = tinker.ServiceClient(base_url=bounded.base_url, api_key=KEY_A)
+    decoded: list[int] = []
+    decode = proto.decode_call
+    monkeypatch.setattr(
+        proto, "decode_call", lambda msg: (decoded.append(msg.seq_id), decode(msg))[1]
+    )
+
+    def post(seq_id: int) -> httpx.Response:
+        return httpx.post(
+            f"{bounded.base_url}/api/v1/forward_backward",
+            headers={"X-API-Key": KEY_A},
+            json=_json_forward_backward(tc.model_id, seq_id),
+            timeout=30,
+        )
+
+    try:
+        tc = client.create_lora_training_client(
+            base_model=str(service.executor.base_path), rank=4, seed=3
+        ).result()
+        service.scheduler.pause()
+        try:
+            first = [post(seq).json()["request_id"] for seq in (1, 2)]
+            assert decoded == [1, 2]
+            refused = post(3)
+            assert refused.status_code == 429 and "max_queued_ops 2" in refused.text
+            assert decoded == [1, 2]  # seq 3's data was never decoded
+            assert service.store.futures.find(tc.model_id, 3) is None
+            again = post(1)  # the same request again: its first future, not a 429
+            assert again.status_code == 200 and again.json()["request_id"] == first[0]
+        finally:
+            service.scheduler.resume()
+    finally:
+        client.close("success").result(timeout=30)

@@ -100,6 +100,7 @@ class Training:
         raw = parse.decode_body(raw, content_encoding, self.max_body_bytes)
         msg = proto.parse_forward_backward(raw)
         row = self.ownership.model(tenant, msg.model_id)  # 404 before the data is decoded
+        self.intake.check_room(tenant, row, msg.seq_id)  # 429 before it too
         kind = "forward" if msg.forward_only else "forward_backward"
         op = op_or_refusal(kind, lambda: self._with_provenance(tenant, row, msg))
         promise = self.intake.submit_to_model(tenant, row, msg.seq_id, op, parse.fingerprint(raw))
@@ -110,6 +111,7 @@ class Training:
         once its envelope names a model of the caller's, then checked exactly as protobuf."""
         model_id, seq_id, forward_only = json_fwdbwd.envelope(body)
         row = self.ownership.model(tenant, model_id)
+        self.intake.check_room(tenant, row, seq_id)
         kind = "forward" if forward_only else "forward_backward"
         op = op_or_refusal(
             kind, lambda: self._with_provenance(tenant, row, json_fwdbwd.to_proto(body))

@@ -101,30 +101,50 @@ class Admission:
     ) -> None:
         """Holds a place for `request_id`, or raises QueueFull."""
         with self._lock:
-            if tenant_limit is not None and len(self._by_tenant.get(tenant, ())) >= tenant_limit:
-                self._prune(list(self._by_tenant.get(tenant, ())))
-            if not self._awaited(model_id, seq_id):
-                mine = len(self._by_tenant.get(tenant, ()))
-                if tenant_limit is not None and mine >= tenant_limit:
-                    self.refused += 1
-                    raise QueueFull(
-                        f"tenant {tenant} has {mine} requests queued, its limit (quota queued_ops "
-                        f"{tenant_limit}); retry when some have finished (the SDK retries by itself)",
-                        self.retry_after_s,
-                    )
-                if len(self._held) >= self.max_queued_ops:
-                    self._prune(list(self._held))
-                if len(self._held) >= self.max_queued_ops:
-                    self.refused += 1
-                    raise QueueFull(
-                        f"the server has {len(self._held)} requests queued, its limit "
-                        f"(max_queued_ops {self.max_queued_ops}); retry shortly (the SDK retries by itself)",
-                        self.retry_after_s,
-                    )
+            refusal = self._refusal(tenant, model_id, seq_id, tenant_limit)
+            if refusal is not None:
+                self.refused += 1
+                raise refusal
             self._held[request_id] = _Held(tenant, model_id, seq_id, dict(reserved or {}))
             self._by_tenant.setdefault(tenant, set()).add(request_id)
             if model_id is not None and seq_id is not None:
                 self._by_model.setdefault(model_id, {})[seq_id] = request_id
+
+    def check(
+        self, tenant: str, model_id: str | None, seq_id: int | None, tenant_limit: int | None
+    ) -> None:
+        """Raises the QueueFull that `admit` would raise now, holding nothing: lets a large
+        request be refused before its body is decoded (a body decoded only to be answered 429
+        is work every other request waits behind). `admit` still decides."""
+        with self._lock:
+            refusal = self._refusal(tenant, model_id, seq_id, tenant_limit)
+            if refusal is not None:
+                self.refused += 1
+                raise refusal
+
+    def _refusal(
+        self, tenant: str, model_id: str | None, seq_id: int | None, tenant_limit: int | None
+    ) -> QueueFull | None:
+        if tenant_limit is not None and len(self._by_tenant.get(tenant, ())) >= tenant_limit:
+            self._prune(list(self._by_tenant.get(tenant, ())))
+        if self._awaited(model_id, seq_id):
+            return None
+        mine = len(self._by_tenant.get(tenant, ()))
+        if tenant_limit is not None and mine >= tenant_limit:
+            return QueueFull(
+                f"tenant {tenant} has {mine} requests queued, its limit (quota queued_ops "
+                f"{tenant_limit}); retry when some have finished (the SDK retries by itself)",
+                self.retry_after_s,
+            )
+        if len(self._held) >= self.max_queued_ops:
+            self._prune(list(self._held))
+        if len(self._held) >= self.max_queued_ops:
+            return QueueFull(
+                f"the server has {len(self._held)} requests queued, its limit "
+                f"(max_queued_ops {self.max_queued_ops}); retry shortly (the SDK retries by itself)",
+                self.retry_after_s,
+            )
+        return None
 
     def release(self, request_id: str) -> None:
         """Gives back a place whose request was not recorded after all (its future failed to

@@ -97,6 +97,17 @@ class Intake:
         ):
             raise Conflict(f"model {model_id!r} already exists")
 
+    def check_room(self, tenant: Tenant, model: ModelRow, seq_id: int) -> None:
+        """Raises the 429 that submitting a request for `seq_id` of `model` would get at the
+        queue bound, before the caller decodes a large body for it. A retry of a recorded
+        request is never refused here: it gets its first future, whatever the queue holds."""
+        if self.admission is None or model.status != "active":
+            return
+        if self.store.futures.find(model.model_id, seq_id) is not None:
+            return
+        limit = None if self.quotas is None else self.quotas.tenancy.quotas(tenant.id).queued_ops
+        self.admission.check(tenant.id, model.model_id, seq_id, limit)
+
     def submit_to_model(
         self, tenant: Tenant, model: ModelRow, seq_id: int, op: Op, fingerprint: str
     ) -> Promise:

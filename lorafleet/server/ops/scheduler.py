@@ -89,6 +89,13 @@ SOLO_AFTER_S = 10.0
 """A tenant counts as alone once no other tenant has had an operation queued, running or
 finished for this long: tenants stepping in a loop (sample, train, step) stay present between
 their requests, so a lone round never lands between two steps of a neighbour."""
+STEPPING_S = 1.0
+"""A tenant counts as stepping for this long after one of its training ops finished: its next
+call is on its way (a training loop sends forward_backward, optim_step, forward_backward, ...
+each as the previous one's result arrives). While another tenant is stepping, a round that
+would hold one tenant's training work alone runs one fair-share quantum of it, not the whole
+budget: the stepping tenant's next call then waits behind a short round instead of a full one
+(bench/tenancy.py's flood phase; docs/tenancy.md)."""
 STATS_WINDOW_S = 10.0  # rounds per second and tokens per round are over this much recent time
 
 
@@ -179,6 +186,7 @@ class Stats:
     train_tokens: int = 0  # datum tokens run in forward(_backward) batches
     split_ops: int = 0  # forward(_backward) calls run in more than one chunk
     solo_rounds: int = 0  # rounds that ran training work under the solo budget
+    short_rounds: int = 0  # one tenant's training work cut to a quantum: another was stepping
     chunks: int = 0  # their chunks
     # tenant -> the most rounds one of its forward(_backward) calls waited, submission to result
     train_wait_rounds: dict[str, int] = field(default_factory=dict)
@@ -196,6 +204,7 @@ class Stats:
             "train_tokens": self.train_tokens,
             "split_ops": self.split_ops,
             "solo_rounds": self.solo_rounds,
+            "short_rounds": self.short_rounds,
             "chunks": self.chunks,
             "train_wait_rounds": dict(self.train_wait_rounds),
         }
@@ -217,6 +226,7 @@ class Scheduler:
         round_token_budget: int = DEFAULT_ROUND_TOKENS,
         solo_round_token_budget: int | None = None,
         solo_after_s: float = SOLO_AFTER_S,
+        stepping_s: float = STEPPING_S,
         quantum: int | None = None,
         weight_of: Callable[[str], float] = lambda tenant: 1.0,
         max_round_models: int | None = None,
@@ -233,7 +243,9 @@ class Scheduler:
 
         `solo_round_token_budget` (None or 0: off): the budget of a round whose training work
         is one tenant's while no other tenant has had an operation queued, running or finished
-        for `solo_after_s` seconds (`_alone`); never below `round_token_budget`."""
+        for `solo_after_s` seconds (`_alone`); never below `round_token_budget`. A round whose
+        training work is one tenant's while another finished training work within `stepping_s`
+        seconds runs one quantum of it (`STEPPING_S`)."""
         if not isinstance(round_token_budget, int) or round_token_budget < 1:
             raise ValueError(
                 f"round_token_budget must be a positive number of tokens, got {round_token_budget!r}"
@@ -249,7 +261,11 @@ class Scheduler:
             raise ValueError(f"solo_after_s must be >= 0 seconds, got {solo_after_s!r}")
         self.solo_round_token_budget = max(solo_round_token_budget or 0, round_token_budget)
         self.solo_after_s = solo_after_s
+        if not stepping_s >= 0:
+            raise ValueError(f"stepping_s must be >= 0 seconds, got {stepping_s!r}")
+        self.stepping_s = stepping_s
         self._seen: dict[str, float] = {}  # tenant -> when it last submitted or finished an op
+        self._stepped: dict[str, float] = {}  # tenant -> when a training op of its last finished
         if max_round_models is not None and max_round_models < 1:
             raise ValueError(f"max_round_models must be >= 1, got {max_round_models!r}")
         self.round_token_budget = round_token_budget
@@ -694,9 +710,14 @@ class Scheduler:
                     )
                     jobs[job.request_id] = job
             budget = self.round_token_budget
-            if budget < self.solo_round_token_budget and len(ready) == 1 and self._alone(*ready):
-                budget = self.solo_round_token_budget
-                self.stats.solo_rounds += 1
+            if len(ready) == 1:
+                [tenant] = ready
+                if budget < self.solo_round_token_budget and self._alone(tenant):
+                    budget = self.solo_round_token_budget
+                    self.stats.solo_rounds += 1
+                elif self._another_stepping(tenant):
+                    budget = min(budget, self.fair.quantum)
+                    self.stats.short_rounds += 1
             chunks: list[TrainChunk] = []
             for take in self.fair.plan(ready, budget, self.max_round_models):
                 job = jobs[take.key]
@@ -716,6 +737,15 @@ class Scheduler:
                 if take.stop >= len(progress.sizes):
                     self._dequeue(job)
         return chunks
+
+    def _another_stepping(self, tenant: str) -> bool:
+        """Whether a tenant other than `tenant` finished training work within `stepping_s`
+        (caller holds the lock). Forgets tenants not stepping any more."""
+        now = time.monotonic()
+        for other, when in list(self._stepped.items()):
+            if now - when >= self.stepping_s:
+                del self._stepped[other]
+        return any(other != tenant for other in self._stepped)
 
     def _alone(self, tenant: str) -> bool:
         """Whether `tenant` is the only tenant present (caller holds the lock, on the worker):
@@ -907,6 +937,8 @@ class Scheduler:
         the table did not handle, the client still gets an error from memory."""
         with self._cond:
             self._seen[job.tenant] = time.monotonic()
+            if job.op.stage in (Stage.TRAIN, Stage.OPTIM):
+                self._stepped[job.tenant] = self._seen[job.tenant]
             progress = self._train.pop(job.request_id, None)
             if progress is not None:
                 waits = self.stats.train_wait_rounds
