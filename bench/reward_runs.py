@@ -279,7 +279,9 @@ class TrlRun:
         (raw,) = self.side.steps(1)
         expected = expected_questions(self.problems, step, self.recipe.prompts_per_step)
         return {"step": step, **{k: raw.get(k) for k in TRL_STEP_KEYS}} | {
-            "prompts_match": raw.get("questions") == expected
+            "prompts_match": raw.get("questions") == expected,
+            "phases": raw.get("phases", {}),  # TRL's own profile of the step (nested)
+            "max_rss_mib": self.side.max_rss_mib,  # the TRL process's peak so far
         }
 
     def close(self) -> None:
