@@ -37,13 +37,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import random
 import resource
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -56,6 +53,7 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
+from bench import trl_side
 from bench.common import (
     add_device_option,
     add_dtype_option,
@@ -65,18 +63,12 @@ from bench.common import (
     bench_numerics,
     report,
 )
+from bench.reward_runs import adapter_config as peft_adapter_config
 from lorafleet.rl.connect import Backend, load_tokenizer, start_backend
 from lorafleet.rl.envs import make_env
-from lorafleet.rl.loop import RLConfig, TenantConfig, TenantRunner, render_prompt
+from lorafleet.rl.loop import RLConfig, TenantConfig, TenantRunner
 from lorafleet.rl.report import Progress
 
-REPO = Path(__file__).resolve().parents[1]
-TRL_VERSION = "1.16.0"
-DEFAULT_TRL_VENV = Path(
-    os.environ.get(
-        "LORAFLEET_TRL_VENV", Path.home() / ".cache" / "lorafleet-peers" / f"trl-{TRL_VERSION}"
-    )
-)
 PROMPTS, GROUP, RANK = 8, 4, 8
 # The main job's base dtype (`lorafleet rl`), so the bench measures what users run.
 DEFAULT_DTYPE = next(f.default for f in dataclasses.fields(RLConfig) if f.name == "dtype")
@@ -207,73 +199,6 @@ class EngineClock:
 
 
 # ================================================================== the TRL side
-def setup_trl(venv: Path) -> None:
-    subprocess.run(
-        ["bash", str(REPO / "scripts" / "setup_trl.sh")],
-        check=True,
-        env={**os.environ, "LORAFLEET_TRL_VENV": str(venv)},
-    )
-
-
-def _die_with_parent() -> None:
-    """The TRL process holds GiBs mid-step: if this process dies (e.g. OOM-killed), so does it."""
-    if sys.platform == "linux":
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-class TrlSide:
-    """bench/trl_grpo.py in the TRL venv, driven over stdin/stdout (protocol in its docstring)."""
-
-    def __init__(self, python: Path, spec: dict[str, Any], workdir: Path):
-        spec_path = workdir / "trl-spec.json"
-        spec_path.write_text(json.dumps(spec))
-        self.log_path = workdir / "trl.log"
-        self._log = self.log_path.open("w")
-        self.process = subprocess.Popen(
-            [str(python), str(REPO / "bench" / "trl_grpo.py"), "--spec", str(spec_path)],
-            env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"},
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            text=True,
-            preexec_fn=_die_with_parent,
-        )
-        self.info = self._read()
-        self.max_rss_mib = 0.0
-
-    def _read(self) -> dict[str, Any]:
-        assert self.process.stdout is not None
-        line = self.process.stdout.readline()
-        if not line:
-            tail = self.log_path.read_text()[-3000:]
-            raise RuntimeError(
-                f"the TRL process exited ({self.process.wait()}); its log ends with:\n{tail}"
-            )
-        return json.loads(line)
-
-    def steps(self, n: int) -> list[dict[str, float]]:
-        assert self.process.stdin is not None
-        self.process.stdin.write(f"{n}\n")
-        self.process.stdin.flush()
-        out = self._read()
-        self.max_rss_mib = out["max_rss_mib"]
-        return out["steps"]
-
-    def close(self) -> None:
-        if self.process.poll() is None and self.process.stdin is not None:
-            try:
-                self.process.stdin.write("quit\n")
-                self.process.stdin.flush()
-                self.process.wait(30)
-            except (BrokenPipeError, subprocess.TimeoutExpired):
-                self.process.kill()
-                self.process.wait()
-        self._log.close()
-
-
 def trl_spec(
     backend: Backend,
     tokenizer: Any,
@@ -283,35 +208,25 @@ def trl_spec(
     steps: int,
     dtype: str,
 ) -> dict[str, Any]:
-    """Everything the TRL side must match: our model dir, our prompts rendered by our tokenizer's
-    chat template (TRL re-renders them; the TRL side checks it gets the same ids), our LoRA."""
-    env = make_env(tenant.task)
-    problems = env.problems(random.Random(12345), PROMPTS * steps)
-    return {
-        "model_dir": str(backend.tokenizer_dir),
-        "dtype": dtype,
-        "task": tenant.task,
-        "envs_path": str(REPO / "lorafleet" / "rl" / "envs.py"),
-        "rows": [
-            {
-                "question": p.question,
-                "answer": p.answer,
-                "prompt_ids": render_prompt(tokenizer, p.question, tenant.system_prompt),
-            }
-            for p in problems
-        ],
-        "system_prompt": tenant.system_prompt,
-        "prompts_per_step": tenant.prompts_per_step,
-        "group_size": tenant.group_size,
-        "max_tokens": tenant.max_tokens,
-        "temperature": tenant.temperature,
-        "learning_rate": tenant.learning_rate,
-        "rank": int(adapter_config["r"]),
-        "alpha": adapter_config["lora_alpha"],
-        "target_modules": list(adapter_config["target_modules"]),
-        "seed": tenant.seed,
-        "torch_threads": torch_threads,
-    }
+    """TRL's side of this bench (bench/trl_side.py): our prompts from one fixed generator seed,
+    shuffled by TRL, TRL's default loss (dapo): only step time is compared here."""
+    assert backend.tokenizer_dir is not None  # embedded: the preset's local dir
+    return trl_side.trl_spec(
+        model_dir=backend.tokenizer_dir,
+        dtype=dtype,
+        task=tenant.task,
+        problems=make_env(tenant.task).problems(random.Random(12345), PROMPTS * steps),
+        tokenizer=tokenizer,
+        system_prompt=tenant.system_prompt,
+        prompts_per_step=tenant.prompts_per_step,
+        group_size=tenant.group_size,
+        max_tokens=tenant.max_tokens,
+        temperature=tenant.temperature,
+        learning_rate=tenant.learning_rate,
+        lora=adapter_config,
+        seed=tenant.seed,
+        torch_threads=torch_threads,
+    )
 
 
 # ================================================================== driver
@@ -341,7 +256,7 @@ def main() -> None:
     add_dtype_option(parser, default=DEFAULT_DTYPE)
     add_device_option(parser)  # the embedded server's; TRL's side stays on the CPU
     add_numerics_option(parser)  # the embedded server's
-    parser.add_argument("--trl-venv", type=Path, default=DEFAULT_TRL_VENV)
+    parser.add_argument("--trl-venv", type=Path, default=trl_side.DEFAULT_TRL_VENV)
     parser.add_argument(
         "--setup-trl", action="store_true", help="create --trl-venv first (scripts/setup_trl.sh)"
     )
@@ -355,8 +270,8 @@ def main() -> None:
     dtype = choice.dtype
     numerics = bench_numerics(args.numerics)
     if args.setup_trl:
-        setup_trl(args.trl_venv)
-    trl_python = args.trl_venv / "bin" / "python"
+        trl_side.setup_trl(args.trl_venv)
+    trl_python = trl_side.trl_python(args.trl_venv)
     if not trl_python.exists():
         print(f"no TRL venv at {args.trl_venv} (pass --setup-trl): measuring lorafleet only")
 
@@ -406,10 +321,7 @@ def main() -> None:
         ]
         tokenizer = load_tokenizer(backend, tcs[0])
         # What our adapter really is (rank, alpha, exact target layers), from its PEFT export.
-        probe = tcs[0].save_weights_for_sampler("bench-lora-config").result().path
-        peft_dir = backend.peft_dir(keys[0], probe)
-        assert peft_dir is not None
-        adapter_config = json.loads((peft_dir / "adapter_config.json").read_text())
+        adapter_config = peft_adapter_config(backend, keys[0], tcs[0])
         clock = EngineClock(backend)
         timed_tc = TimedTrainingClient(tcs[0])
         steps = count()
@@ -456,7 +368,7 @@ def main() -> None:
                     }
                 )
 
-        trl: TrlSide | None = None
+        trl: trl_side.TrlSide | None = None
         try:
             if trl_python.exists() and device != "cpu":
                 print("TRL's side runs on the CPU only: skipped with --device " + device)
@@ -471,17 +383,8 @@ def main() -> None:
                     max(steps_needed, 16),
                     dtype,
                 )
-                trl = TrlSide(trl_python, spec, run_dir)
-                ours = sorted(adapter_config["target_modules"])
-                if trl.info["lora_modules"] != ours:
-                    raise RuntimeError(
-                        f"TRL's LoRA layers differ from ours: {sorted(set(trl.info['lora_modules']) ^ set(ours))}"
-                    )
-                if not trl.info["prompt_ids_match"]:
-                    raise RuntimeError("TRL renders the prompts to other token ids than our side")
-                trl_base = trl.info["param_dtypes"]["base"]
-                if trl_base != [f"torch.{dtype}"]:
-                    raise RuntimeError(f"TRL's base weights are {trl_base}, ours torch.{dtype}")
+                trl = trl_side.TrlSide(trl_python, spec, run_dir)
+                trl.check(lora_modules=adapter_config["target_modules"], dtype=dtype)
                 trl.steps(args.trl_warmup)
                 one(None)
                 for _ in range(args.repeats):
