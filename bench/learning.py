@@ -33,7 +33,7 @@ README_JOB = (
     "--tenants",
     "2",
     "--tasks",
-    "arithmetic,rg:chain_sum:max_terms=3:max_digits=1",
+    "arithmetic,rg:chain_sum:max_terms=2:max_digits=1",
     "--lr",
     "5e-4,1e-3",
     "--steps",

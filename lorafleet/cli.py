@@ -741,6 +741,8 @@ def _cmd_rl(args: argparse.Namespace) -> int:
     tasks = _cycle(args.tasks, n, str, "--tasks")
     lrs = _cycle(args.lr, n, float, "--lr")
     ranks = _cycle(args.rank, n, int, "--rank")
+    prompts = _cycle(args.prompts, n, int, "--prompts")
+    temperatures = _cycle(args.temperature, n, float, "--temperature")
     losses: list[str | None] = (
         [None] * n if args.loss is None else list(_cycle(args.loss, n, str, "--loss"))
     )
@@ -751,10 +753,10 @@ def _cmd_rl(args: argparse.Namespace) -> int:
             learning_rate=lrs[i],
             rank=ranks[i],
             loss_fn=losses[i],  # type: ignore[arg-type]  # checked by TenantConfig.validate
-            prompts_per_step=args.prompts,
+            prompts_per_step=prompts[i],
             group_size=args.group_size,
             max_tokens=args.max_tokens,
-            temperature=args.temperature,
+            temperature=temperatures[i],
             seed=args.seed + i,
             system_prompt=None if args.template_system_prompt else args.system_prompt,
         )
@@ -801,7 +803,7 @@ def _register_rl(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--tasks",
-        default="arithmetic,rg:chain_sum:max_terms=3:max_digits=1",
+        default="arithmetic,rg:chain_sum:max_terms=2:max_digits=1",
         help="comma list, cycled over tenants: arithmetic[:MAX], tag[:MAX], "
         "rg:<reasoning-gym task>[:field=value...] (default: the README job's, %(default)s)",
     )
@@ -824,7 +826,11 @@ def _register_rl(subparsers: argparse._SubParsersAction) -> None:
         help="sampling runs up to K versions ahead of training, overlapping it (0: on-policy)",
     )
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--prompts", type=int, default=8, help="prompts per step per tenant")
+    parser.add_argument(
+        "--prompts",
+        default="8",
+        help="prompts per step, comma list cycled over tenants (default: %(default)s)",
+    )
     parser.add_argument(
         "--group-size",
         type=int,
@@ -832,7 +838,11 @@ def _register_rl(subparsers: argparse._SubParsersAction) -> None:
         help="samples per prompt (advantages centred per group)",
     )
     parser.add_argument("--max-tokens", type=int, default=20)
-    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument(
+        "--temperature",
+        default="1.0",
+        help="sampling temperature(s), comma list cycled over tenants (default: %(default)s)",
+    )
     parser.add_argument(
         "--system-prompt",
         default=DEFAULT_SYSTEM_PROMPT,

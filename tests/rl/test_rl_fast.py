@@ -315,6 +315,9 @@ def test_cli_rl_and_sft_run_end_to_end(tmp_path, capsys):
     assert (tmp_path / "sft" / "adapter" / "adapter_config.json").is_file()
     assert main(["rl", "--tenants", "1", "--lr", "x", "--run-dir", str(tmp_path / "bad")]) == 2
     assert "--lr 'x'" in capsys.readouterr().err
+    bad = ["rl", "--tenants", "2", "--temperature", "1.0,hot", "--run-dir", str(tmp_path / "bad")]
+    assert main(bad) == 2
+    assert "--temperature '1.0,hot'" in capsys.readouterr().err
 
 
 def test_held_out_problems_are_never_trained_on():
