@@ -959,19 +959,23 @@ class RaySamplerPool:
         ray = ray_module()
         requests = list(requests)
         results: list[SampleResult | None] = [None] * len(requests)
-        pending = []
-        for index, request in enumerate(requests):
-            if request.cancel is not None and request.cancel.is_set():
-                results[index] = _cancelled(request)
-            else:
-                pending.append(index)
-        if not pending:
-            return [r for r in results if r is not None]
+        pending = list(range(len(requests)))
         # what crosses to a replica: the request without its process-local parts (a thread
         # event and a progress hook cannot be pickled; this pool declares token_streaming off)
         wire = [_for_replica(r) for r in requests]
         attempts = 2 * len(self._replicas) + 2
         for _ in range(attempts):
+            # a request whose caller went away is not sent, nor sent again (a retry after its
+            # replica died or lacked its version)
+            still = []
+            for index in pending:
+                if _is_cancelled(requests[index]):
+                    results[index] = _cancelled(requests[index])
+                else:
+                    still.append(index)
+            pending = still
+            if not pending:
+                return [r for r in results if r is not None]
             replica = self._pick()
             with self.lock:
                 incarnation, handle = replica.incarnation, replica.handle
@@ -1099,6 +1103,10 @@ def _for_replica(request: SampleRequest) -> SampleRequest:
     if request.cancel is None and request.on_token is None:
         return request
     return replace(request, cancel=None, on_token=None)
+
+
+def _is_cancelled(request: SampleRequest) -> bool:
+    return request.cancel is not None and request.cancel.is_set()
 
 
 def _cancelled(request: SampleRequest) -> SampleResult:

@@ -63,8 +63,8 @@ class Env(Protocol):
         ...
 
     def correct(self, problem: Problem, completion: str) -> bool:
-        """Held-out accuracy (rl/evaluation.py): the `final_answer` is right. Unshaped: the
-        partial credit for a right number somewhere in the text does not count."""
+        """Held-out accuracy (rl/evaluation.py): the `final_answer` is right. Unshaped: a
+        right final number counts whether tagged or not (`score` pays it only `partial`)."""
         ...
 
 

@@ -94,6 +94,12 @@ class TenantConfig:
             raise ValueError(
                 f"tenant {self.name}: learning_rate must be > 0, got {self.learning_rate}"
             )
+        if not 0 <= self.temperature < float("inf"):
+            # checked here, not at the first sample: the servers and models would be up by then
+            raise ValueError(
+                f"tenant {self.name}: temperature must be a finite number >= 0 (0: greedy), "
+                f"got {self.temperature}"
+            )
 
 
 @dataclass

@@ -87,6 +87,31 @@ def test_sft_datum_shifts_weights():
     assert d.loss_fn_inputs["weights"].data == [0.0, 1.0, 1.0]
 
 
+def test_the_reward_pays_exactly_what_held_out_evaluation_counts_right():
+    """Issue 36: the shaped reward reads the same final answer as `correct`, so no completion
+    earns reward while evaluation counts it wrong (or the reverse), tag or no tag."""
+    p = Problem("What is 7 - 9?", "-2")
+    env = ArithmeticEnv()
+    texts = [
+        "-2",
+        "7 - 9 = -2",
+        "7-9=-2.",
+        "<answer>-2</answer>",
+        "<answer> -2 </answer> then 4",
+        "-2, or 3",
+        "<answer>2</answer> -2",
+        "<answer></answer> -2",
+        "2",
+        "-2 <answer>x</answer>",
+        "<answer>-2.0</answer>",
+        "7 - 9 = -2\n<answer>-2</answer>",
+        "",
+        "minus two",
+    ]
+    for text in texts:
+        assert (env.score(p, text) > 0) == env.correct(p, text), text
+
+
 def test_env_scoring():
     p = Problem("What is 2 + 3?", "5")
     env = ArithmeticEnv()
@@ -198,6 +223,9 @@ def test_bad_tenant_config_is_a_clear_error(tmp_path):
         run_rl(config(tmp_path, tenants("a", group_size=1), steps=1))
     with pytest.raises(ValueError, match="unique"):
         run_rl(config(tmp_path, tenants("a", "a"), steps=1))
+    for bad in (-0.5, float("nan"), float("inf")):  # refused before any server starts
+        with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+            run_rl(config(tmp_path, tenants("a", temperature=bad), steps=1))
 
 
 def test_two_tenants_together_match_each_alone(tmp_path):

@@ -186,7 +186,7 @@ class Stats:
     train_tokens: int = 0  # datum tokens run in forward(_backward) batches
     split_ops: int = 0  # forward(_backward) calls run in more than one chunk
     solo_rounds: int = 0  # rounds that ran training work under the solo budget
-    short_rounds: int = 0  # one tenant's training work cut to a quantum: another was stepping
+    short_rounds: int = 0  # one tenant's training work held to a quantum: another was stepping
     chunks: int = 0  # their chunks
     # tenant -> the most rounds one of its forward(_backward) calls waited, submission to result
     train_wait_rounds: dict[str, int] = field(default_factory=dict)
@@ -716,8 +716,12 @@ class Scheduler:
                     budget = self.solo_round_token_budget
                     self.stats.solo_rounds += 1
                 elif self._another_stepping(tenant):
-                    budget = min(budget, self.fair.quantum)
-                    self.stats.short_rounds += 1
+                    short = min(budget, self.fair.quantum)
+                    # counted only where the cut holds work back: a lone call that fits in a
+                    # quantum anyway would make the count track how often anyone steps
+                    if sum(sum(w.sizes[w.start :]) for w in ready[tenant]) > short:
+                        self.stats.short_rounds += 1
+                    budget = short
             chunks: list[TrainChunk] = []
             for take in self.fair.plan(ready, budget, self.max_round_models):
                 job = jobs[take.key]
