@@ -278,6 +278,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         gap_timeout_s=args.gap_timeout_s,
         round_token_budget=args.round_token_budget,
         solo_round_token_budget=args.solo_round_token_budget,
+        stepping_s=args.stepping_s,
         stability_ttl_s=args.stability_ttl_s,
         stability_quota_bytes=args.stability_quota_bytes,
     )
@@ -648,6 +649,15 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
         "tenant's operation queued, running or finished in the last 10 s), so that a lone "
         "tenant's big multi-turn call is not cut where its turns share their history; "
         "0: off (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--stepping-s",
+        type=float,
+        default=1.0,  # scheduler.STEPPING_S
+        help="seconds after a tenant's training op finished (until it samples or saves) during "
+        "which another tenant's lone training work runs in rounds of one fair-share quantum, so "
+        "the stepping tenant's next call waits behind a short round; 0: off (default: "
+        "%(default)s)",
     )
     parser.add_argument(
         "--allow-recovery-deletes",

@@ -10,7 +10,11 @@ from typing import Any
 from lorafleet.engines import EngineConfig
 from lorafleet.server.http import resource_json, schemas
 from lorafleet.server.http.served import RequestLimits, prompt_bytes_cap
-from lorafleet.server.ops.scheduler import DEFAULT_ROUND_TOKENS, DEFAULT_SOLO_ROUND_TOKENS
+from lorafleet.server.ops.scheduler import (
+    DEFAULT_ROUND_TOKENS,
+    DEFAULT_SOLO_ROUND_TOKENS,
+    STEPPING_S,
+)
 
 
 @dataclass
@@ -93,6 +97,10 @@ class ServerConfig:
     # cost a lone tenant (its multi-turn calls lost their shared prefixes at every cut).
     # 0: off (every round takes round_token_budget).
     solo_round_token_budget: int = DEFAULT_SOLO_ROUND_TOKENS
+    # ... and for this long after a tenant's training op finished (until it submits anything
+    # else), a round holding one other tenant's training work alone runs one fair-share quantum
+    # of it, so the stepping tenant's next call waits behind a short round. 0: off.
+    stepping_s: float = STEPPING_S
     # the tenants file (tenants.py): keys as hashes, weights, operators, quotas; reloaded on
     # SIGHUP. Without one, `api_keys` are the tenants (weight 1, no quotas, no operator).
     tenants_file: Path | None = None

@@ -214,6 +214,7 @@ class Service:
             stall_s=config.engine_stall_s,
             round_token_budget=config.round_token_budget,
             solo_round_token_budget=config.solo_round_token_budget,
+            stepping_s=config.stepping_s,
             max_round_models=engine_config.max_adapters,
             weight_of=self.tenancy.weight_of,
             on_work=self._on_work,

@@ -482,6 +482,46 @@ def test_while_a_neighbour_steps_a_lone_call_runs_a_quantum_a_round():
     assert scheduler.stats.short_rounds == 19
 
 
+def test_a_neighbour_gone_on_to_sampling_stops_counting_as_stepping():
+    """An RL loop's optim_step is followed by a save and a sample, not by a training call: once
+    it submits them, the other tenant's rounds are full again (the window is long here)."""
+    executor, futures = _ChunkExecutor(), _Futures()
+    scheduler = _scheduler(
+        futures,
+        round_token_budget=100,
+        solo_round_token_budget=1000,
+        solo_after_s=3600.0,
+        stepping_s=3600.0,
+    )
+    for model in ("big", "rl"):
+        scheduler.register_model(model)
+    scheduler.start(lambda: executor)
+    try:
+        scheduler.submit(_fb("R1", "rl", "rl", 1, [10]))
+        futures.wait("R1")
+        scheduler.submit(job("R2", "save_sampler", "rl", model_id="rl", seq_id=2))
+        futures.wait("R2")
+        scheduler.submit(_fb("B1", "trainer", "big", 1, [10] * 40))
+        futures.wait("B1")
+    finally:
+        scheduler.stop()
+    big_rounds = [b for b in _train_rounds(executor) if b and b[0][0] == "big"]
+    assert [sum(stop - start for _, start, stop in b) for b in big_rounds] == [10] * 4
+    assert scheduler.stats.short_rounds == 0
+
+
+def test_the_cli_default_stepping_window_is_the_configs():
+    from lorafleet.cli import build_parser
+    from lorafleet.server.config import ServerConfig
+    from lorafleet.server.ops.scheduler import STEPPING_S
+
+    args = ["serve", "--base-model", "tiny-qwen3", "--data-dir", "unused"]
+    parser = build_parser()
+    assert parser.parse_args(args).stepping_s == STEPPING_S
+    assert ServerConfig("tiny-qwen3", Path("unused"), []).stepping_s == STEPPING_S
+    assert parser.parse_args([*args, "--stepping-s", "0"]).stepping_s == 0.0
+
+
 def test_a_bad_stepping_window_is_refused():
     with pytest.raises(ValueError, match="stepping_s"):
         _scheduler(_Futures(), round_token_budget=100, stepping_s=-1.0)

@@ -90,9 +90,9 @@ SOLO_AFTER_S = 10.0
 finished for this long: tenants stepping in a loop (sample, train, step) stay present between
 their requests, so a lone round never lands between two steps of a neighbour."""
 STEPPING_S = 1.0
-"""A tenant counts as stepping for this long after one of its training ops finished: its next
-call is on its way (a training loop sends forward_backward, optim_step, forward_backward, ...
-each as the previous one's result arrives). While another tenant is stepping, a round that
+"""A tenant counts as stepping for this long after one of its training ops finished, until it
+submits anything else (a sample, a save): its next call is on its way (a training loop sends
+forward_backward, optim_step, forward_backward, ... each as the previous one's result arrives). While another tenant is stepping, a round that
 would hold one tenant's training work alone runs one fair-share quantum of it, not the whole
 budget: the stepping tenant's next call then waits behind a short round instead of a full one
 (bench/tenancy.py's flood phase; docs/tenancy.md)."""
@@ -359,6 +359,10 @@ class Scheduler:
             progress = _TrainProgress(sizes, costs, self.stats.rounds)
         with self._cond:
             self._seen[job.tenant] = time.monotonic()
+            if job.op.stage not in (Stage.TRAIN, Stage.OPTIM):
+                # on to sampling or saving (an RL loop after its optim_step): its next training
+                # call is seconds away, so it stops counting as stepping
+                self._stepped.pop(job.tenant, None)
             if self._died:
                 error = ServerFault(ENGINE_DEAD)
             elif job.seq_id is None:
