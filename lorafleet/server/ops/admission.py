@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 from lorafleet.server.errors import ApiError
 from lorafleet.server.ops.futures import FutureTable
@@ -110,17 +111,20 @@ class Admission:
             if model_id is not None and seq_id is not None:
                 self._by_model.setdefault(model_id, {})[seq_id] = request_id
 
-    def check(
+    def refusal(
         self, tenant: str, model_id: str | None, seq_id: int | None, tenant_limit: int | None
-    ) -> None:
-        """Raises the QueueFull that `admit` would raise now, holding nothing: lets a large
+    ) -> QueueFull | None:
+        """The QueueFull `admit` would raise now, holding and counting nothing: lets a large
         request be refused before its body is decoded (a body decoded only to be answered 429
         is work every other request waits behind). `admit` still decides."""
         with self._lock:
-            refusal = self._refusal(tenant, model_id, seq_id, tenant_limit)
-            if refusal is not None:
-                self.refused += 1
-                raise refusal
+            return self._refusal(tenant, model_id, seq_id, tenant_limit)
+
+    def refuse(self, refusal: QueueFull) -> NoReturn:
+        """Counts and raises a refusal that `refusal` returned."""
+        with self._lock:
+            self.refused += 1
+        raise refusal
 
     def _refusal(
         self, tenant: str, model_id: str | None, seq_id: int | None, tenant_limit: int | None

@@ -103,10 +103,12 @@ class Intake:
         request is never refused here: it gets its first future, whatever the queue holds."""
         if self.admission is None or model.status != "active":
             return
-        if self.store.futures.find(model.model_id, seq_id) is not None:
-            return
-        limit = None if self.quotas is None else self.quotas.tenancy.quotas(tenant.id).queued_ops
-        self.admission.check(tenant.id, model.model_id, seq_id, limit)
+        refusal = self.admission.refusal(
+            tenant.id, model.model_id, seq_id, self._queue_limit(tenant)
+        )
+        # the store is read only when the queue is full: a retry there gets its first future
+        if refusal is not None and self.store.futures.find(model.model_id, seq_id) is None:
+            self.admission.refuse(refusal)
 
     def submit_to_model(
         self, tenant: Tenant, model: ModelRow, seq_id: int, op: Op, fingerprint: str
@@ -152,17 +154,12 @@ class Intake:
                         self.submit(tenant, Refused(exc, op.kind), place, fingerprint)
                     raise
             if self.admission is not None and not failed_now:
-                limit = (
-                    None
-                    if self.quotas is None
-                    else self.quotas.tenancy.quotas(tenant.id).queued_ops
-                )
                 self.admission.admit(
                     tenant.id,
                     request_id,
                     place.model_id,
                     place.seq_id if place.ordered else None,
-                    limit,
+                    self._queue_limit(tenant),
                     reserved,
                 )
         try:
@@ -193,6 +190,10 @@ class Intake:
                 )
             )
         return Promise(request_id, place.model_id)
+
+    def _queue_limit(self, tenant: Tenant) -> int | None:
+        """The tenant's `queued_ops` quota, None without quotas."""
+        return None if self.quotas is None else self.quotas.tenancy.quotas(tenant.id).queued_ops
 
     def _prior(self, tenant: Tenant, scope: str, seq_id: int, fingerprint: str) -> str | None:
         """Dedup on (scope, seq_id): a retry gets the original future, a different payload an error."""
